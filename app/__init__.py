@@ -1,0 +1,1 @@
+"""lightray: ImageNet-class training at record speed on a Ray cluster of spot GPU machines."""

@@ -1,0 +1,434 @@
+"""Prepare: source images -> the content-addressed, resumable shard cache read by ingest.
+
+Layout (docs/INTERFACES.md, "Shard cache")::
+
+    <cache_root>/<key>/manifest.json                  written last: its presence means "complete"
+    <cache_root>/<key>/bad_files.json                 files skipped, with the reason
+    <cache_root>/<key>/<split>-<tier>-<j:05d>.parquet  shard j of a split at one tier
+    <cache_root>/<key>/_progress/<split>-<j:05d>.json  per-shard sidecar: files, rows, sha256, bad files
+
+``key`` = sha256(source listing (paths, sizes, mtimes) + every preprocessing parameter), so a rerun
+with the same inputs finds the finished manifest and does nothing, and any change gets a fresh folder.
+
+Work: one Ray Data task per shard (``shard_rows`` consecutive entries of the sorted listing). The task
+reads each source file once, decodes it once (JPEG draft mode for the largest tier), derives the
+smaller tiers from that image, and writes one Parquet file per tier. Because one task writes every tier
+of a shard, row i of shard j is the same sample at every tier. Each file is written to a temp name and
+renamed; the sidecar, written after the files, records their sha256. An interrupted prepare keeps every
+shard with a sidecar and builds only the rest next time. Tasks ask for fractional CPUs, so a cluster
+that also runs Train workers is never starved (ray#44687).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from app.data import images
+from app.data.manifest import BAD_FILES, MANIFEST, Manifest, read_json, sha256_stream, write_bytes_atomic
+from app.data.source import (
+    DataError,
+    SourceListing,
+    is_uri,
+    join,
+    list_imagefolder,
+    normalise_root,
+    read_bytes,
+    resolve_fs,
+)
+
+if TYPE_CHECKING:
+    from app.config import Config
+
+log = logging.getLogger("lightray.prepare")
+FORMAT_VERSION = 1  # bump when the shard bytes change for the same inputs (forces new cache keys)
+PROGRESS_DIR = "_progress"
+MIN_TIER, MAX_TIER = 8, 4096
+
+
+# --- parameters and key ------------------------------------------------------------------------
+def tier_format(tier: int, raw_max_resolution: int) -> str:
+    """Small tiers store raw pixels (no decode cost when read; they fit in memory); larger ones JPEG."""
+    return "raw" if tier <= raw_max_resolution else "jpeg"
+
+
+def _check_params(tiers: list[int], jpeg_quality: int, raw_max_resolution: int, shard_rows: int,
+                  limit: dict[str, int] | None, splits: list[str]) -> list[int]:
+    if not tiers:
+        raise DataError("tiers: bad value []; expected at least one short-side size in pixels (e.g. [64, 128])")
+    out = []
+    for t in tiers:
+        if isinstance(t, bool) or not isinstance(t, int) or not MIN_TIER <= t <= MAX_TIER:
+            raise DataError(f"tiers: bad value {t!r}; expected integers in {MIN_TIER}..{MAX_TIER} px")
+        out.append(int(t))
+    if not 1 <= int(jpeg_quality) <= 100:
+        raise DataError(f"jpeg_quality: bad value {jpeg_quality!r}; expected 1..100")
+    if int(raw_max_resolution) < 0:
+        raise DataError(f"raw_max_resolution: bad value {raw_max_resolution!r}; expected >= 0 px")
+    if int(shard_rows) < 1:
+        raise DataError(f"shard_rows: bad value {shard_rows!r}; expected >= 1")
+    for split, n in (limit or {}).items():
+        if split not in ("train", "val"):
+            raise DataError(f"limit: bad key {split!r}; expected 'train' or 'val'")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise DataError(f"limit[{split!r}]: bad value {n!r}; expected an integer >= 0 (0 = all)")
+    return sorted(set(out))
+
+
+def cache_key(listing: SourceListing, params: dict[str, Any]) -> str:
+    """sha256 of the listing fingerprint and the canonical JSON of every preprocessing parameter."""
+    h = hashlib.sha256()
+    h.update(listing.fingerprint().encode())
+    h.update(json.dumps(params, sort_keys=True, separators=(",", ":")).encode())
+    return h.hexdigest()
+
+
+def select(listing: SourceListing, limit: dict[str, int] | None) -> dict[str, list[tuple[int, Any]]]:
+    """(sample_id, entry) per split. A limit takes evenly spaced entries, so every class stays represented
+    (the first N of a sorted listing would be one class), and sample ids stay listing indices."""
+    out = {}
+    for split, entries in listing.splits.items():
+        n, k = len(entries), (limit or {}).get(split, 0)
+        if k and k < n:
+            ids = [i * n // k for i in range(k)]
+        else:
+            ids = list(range(n))
+        out[split] = [(i, entries[i]) for i in ids]
+    return out
+
+
+def _unit_name(split: str, index: int) -> str:
+    return f"{split}-{index:05d}"
+
+
+def shard_file(split: str, tier: int, index: int) -> str:
+    return f"{split}-{tier}-{index:05d}.parquet"
+
+
+# --- the per-shard task (runs in Ray Data workers) ---------------------------------------------
+_SCHEMA = pa.schema([
+    ("sample_id", pa.int64()), ("label", pa.int32()), ("image", pa.binary()), ("height", pa.int32()),
+    ("width", pa.int32()), ("orig_height", pa.int32()), ("orig_width", pa.int32()), ("path", pa.string()),
+])
+
+
+def _parquet_bytes(cols: dict[str, list]) -> bytes:
+    table = pa.table({f.name: pa.array(cols[f.name], f.type) for f in _SCHEMA}, schema=_SCHEMA)
+    sink = pa.BufferOutputStream()
+    # Image bytes are JPEG (incompressible) or pixels read straight into memory: no codec, no dictionary,
+    # no min/max statistics on them; a single row group per shard keeps reads to one seek.
+    pq.write_table(table, sink, row_group_size=max(1, table.num_rows),
+                   compression={"sample_id": "SNAPPY", "label": "SNAPPY", "path": "SNAPPY", "image": "NONE",
+                                "height": "SNAPPY", "width": "SNAPPY", "orig_height": "SNAPPY",
+                                "orig_width": "SNAPPY"},
+                   use_dictionary=["label"], write_statistics=["sample_id", "label"])
+    return sink.getvalue().to_pybytes()
+
+
+def _read_or_reason(fs: pafs.FileSystem, path: str, expected_size: int) -> tuple[bytes | None, str]:
+    last = ""
+    for _ in range(2):  # one retry: a transient object-store error should not mark a good image bad forever
+        try:
+            data = read_bytes(fs, path)
+        except FileNotFoundError:
+            return None, "file disappeared after the listing"
+        except OSError as exc:
+            last = f"unreadable ({exc})"
+            continue
+        if len(data) != expected_size:
+            return None, f"changed since the listing ({expected_size} bytes listed, {len(data)} read)"
+        return data, ""
+    return None, last
+
+
+def build_shard(unit: dict[str, Any]) -> dict[str, Any]:
+    """Build every tier of one shard and its sidecar; returns the sidecar (see the module docstring)."""
+    split, index = unit["split"], int(unit["index"])
+    tiers = sorted(unit["tiers"], reverse=True)
+    formats = {int(t): f for t, f in unit["formats"].items()}
+    src_fs, src_base = resolve_fs(unit["source"])
+    out_fs, out_base = resolve_fs(unit["out_dir"])
+    entries = unit["entries"]  # [[sample_id, rel_path, size, label], ...]
+    base = {"sample_id": [], "label": [], "orig_height": [], "orig_width": [], "path": []}
+    per_tier = {t: {"image": [], "height": [], "width": []} for t in tiers}
+    bad: list[dict[str, Any]] = []
+
+    def fetch(e: list) -> tuple[bytes | None, str]:
+        return _read_or_reason(src_fs, f"{src_base}/{e[1]}", int(e[2]))
+
+    threads = max(1, int(unit.get("io_threads", 8)))
+    with ThreadPoolExecutor(threads) as pool:  # reads run ahead of the (single-threaded) decode
+        for (sid, path, _size, label), (data, reason) in zip(entries, pool.map(fetch, entries)):
+            if data is None:
+                bad.append({"split": split, "sample_id": sid, "path": path, "reason": reason})
+                continue
+            try:
+                dec = images.decode(data, tiers[0])
+                del data
+                img = dec.image
+                encoded = []
+                for t in tiers:  # largest first: each smaller tier is resampled from the largest one
+                    im = img if t == tiers[0] else images.resize_short(img, t)
+                    encoded.append((t, images.encode(im, formats[t], unit["jpeg_quality"]), im.width, im.height))
+            except images.BadImage as exc:
+                bad.append({"split": split, "sample_id": sid, "path": path, "reason": exc.reason})
+                continue
+            base["sample_id"].append(sid)
+            base["label"].append(label)
+            base["orig_height"].append(dec.orig_height)
+            base["orig_width"].append(dec.orig_width)
+            base["path"].append(path)
+            for t, blob, w, h in encoded:
+                per_tier[t]["image"].append(blob)
+                per_tier[t]["height"].append(h)
+                per_tier[t]["width"].append(w)
+
+    rows = len(base["sample_id"])
+    files: dict[str, dict[str, Any]] = {}
+    tag = uuid.uuid4().hex[:12]
+    if rows:
+        for t in tiers:
+            blob = _parquet_bytes({**base, **per_tier[t]})
+            name = shard_file(split, t, index)
+            write_bytes_atomic(out_fs, f"{out_base}/{name}", blob, tag)
+            files[str(t)] = {"file": name, "rows": rows, "sha256": hashlib.sha256(blob).hexdigest(),
+                             "bytes": len(blob), "format": formats[t]}
+    sidecar = {"split": split, "index": index, "rows": rows, "listed": len(entries), "files": files, "bad": bad}
+    # The sidecar goes last: its existence certifies that every file it names was renamed into place whole.
+    write_bytes_atomic(out_fs, f"{out_base}/{PROGRESS_DIR}/{_unit_name(split, index)}.json",
+                       json.dumps(sidecar).encode(), tag)
+    return sidecar
+
+
+def _map_unit(row: dict[str, Any]) -> dict[str, Any]:
+    return {"sidecar": json.dumps(build_shard(json.loads(row["unit"])))}
+
+
+# --- the driver ----------------------------------------------------------------------------------
+def _sizes(fs: pafs.FileSystem, folder: str) -> dict[str, int]:
+    sel = pafs.FileSelector(folder, allow_not_found=True)
+    return {i.base_name: int(i.size or 0) for i in fs.get_file_info(sel) if i.type == pafs.FileType.File}
+
+
+def _shard_ok(fs: pafs.FileSystem, base: str, info: dict[str, Any], sizes: dict[str, int], verify: bool) -> str:
+    """'' when the file is present and intact, else why not."""
+    name = info["file"]
+    if name not in sizes:
+        return f"{name}: missing"
+    if int(info.get("bytes", -1)) >= 0 and sizes[name] != int(info["bytes"]):
+        return f"{name}: {sizes[name]} bytes, expected {info['bytes']}"
+    if verify:
+        got = sha256_stream(fs, f"{base}/{name}")
+        if got != info["sha256"]:
+            return f"{name}: sha256 {got[:12]} does not match the recorded {info['sha256'][:12]}"
+    return ""
+
+
+def _as_result(location: str) -> pathlib.Path | str:
+    return location if is_uri(location) else pathlib.Path(location)
+
+
+def prepare(source: str, cache_root: str, tiers: list[int], *, jpeg_quality: int = 90,
+            raw_max_resolution: int = 64, shard_rows: int = 512, limit: dict[str, int] | None = None,
+            verify: bool = False, num_cpus: float = 0.5, concurrency: int | None = None, io_threads: int = 8,
+            progress: Callable[[int, int], None] | None = None) -> pathlib.Path | str:
+    """Build (or find) the shard cache of ``source`` and return its manifest folder.
+
+    ``tiers``: short-side sizes to store. ``limit``: {"train": N, "val": M} takes N evenly spaced samples
+    (0 = all). ``verify``: re-hash every cached shard and rebuild any whose sha256 fails (otherwise only
+    presence and size are checked). ``num_cpus`` per task is fractional on purpose; ``concurrency`` caps
+    tasks in flight (default: the cluster's logical CPU count). ``progress(done, total)`` is called on the
+    driver after each finished shard.
+    Returns a ``pathlib.Path`` for a local cache root, the URI string for a remote one.
+    """
+    t0 = time.perf_counter()
+    listing = list_imagefolder(source)  # every input error surfaces here, before any worker starts
+    tiers = _check_params(list(tiers), jpeg_quality, raw_max_resolution, shard_rows, limit, list(listing.splits))
+    formats = {t: tier_format(t, raw_max_resolution) for t in tiers}
+    limit = {k: int(v) for k, v in (limit or {}).items() if v}
+    params = {"tiers": tiers, "formats": {str(t): f for t, f in formats.items()}, "jpeg_quality": int(jpeg_quality),
+              "raw_max_resolution": int(raw_max_resolution), "shard_rows": int(shard_rows), "limit": limit,
+              "resample": images.RESAMPLE.name, "alpha_background": list(images.ALPHA_BACKGROUND),
+              "format_version": FORMAT_VERSION}
+    key = cache_key(listing, params)
+    root = normalise_root(cache_root)
+    location = join(root, key)
+    fs, base = resolve_fs(location)
+
+    # Fast path: a complete manifest whose files are all present (one listing call, no Ray).
+    sizes = _sizes(fs, base)
+    if MANIFEST in sizes and not verify:
+        try:
+            man = Manifest.load(location)
+            problems = [p for split in man.splits for tier in man.tiers(split)
+                        for s in man.data["splits"][split]["tiers"][str(tier)]["shards"]
+                        if (p := _shard_ok(fs, base, s, sizes, False))]
+        except DataError as exc:
+            problems = [str(exc)]
+        if not problems:
+            log.info("prepare: cache hit %s (%d train samples, tiers %s): nothing to do", location,
+                     man.num_samples("train"), tiers)
+            return _as_result(location)
+        log.warning("prepare: cache %s is damaged (%s); rebuilding those shards", location, "; ".join(problems[:5]))
+
+    chosen = select(listing, limit)
+    units: list[dict[str, Any]] = []
+    for split in sorted(chosen):
+        items = chosen[split]
+        for j, lo in enumerate(range(0, len(items), shard_rows)):
+            units.append({"split": split, "index": j, "source": listing.root, "out_dir": location,
+                          "tiers": tiers, "formats": {str(t): f for t, f in formats.items()},
+                          "jpeg_quality": int(jpeg_quality), "io_threads": int(io_threads),
+                          "entries": [[sid, e.path, e.size, e.label] for sid, e in items[lo:lo + shard_rows]]})
+
+    # Which shards are already done (an interrupted or damaged earlier run)? A sidecar counts only when
+    # every file it names is present with its recorded size (and sha256, when verifying).
+    progress_sizes = _sizes(fs, f"{base}/{PROGRESS_DIR}")
+    done: dict[str, dict[str, Any]] = {}
+    rejected: list[str] = []
+
+    def check(u: dict[str, Any]) -> tuple[str, dict[str, Any] | None, str]:
+        name = _unit_name(u["split"], u["index"])
+        if f"{name}.json" not in progress_sizes:
+            return name, None, ""
+        try:
+            sc = read_json(fs, f"{base}/{PROGRESS_DIR}/{name}.json")
+        except (OSError, ValueError) as exc:
+            return name, None, f"{name}: unreadable sidecar ({exc})"
+        bad = [p for f in sc.get("files", {}).values() if (p := _shard_ok(fs, base, f, sizes, verify))]
+        if sc.get("listed") != len(u["entries"]) or set(sc.get("files", {})) != (
+                {str(t) for t in tiers} if sc.get("rows") else set()):
+            bad.append(f"{name}: sidecar does not match this shard's plan")
+        return name, (None if bad else sc), "; ".join(bad)
+
+    with ThreadPoolExecutor(16) as pool:  # sidecar reads are small; on object stores they are latency-bound
+        for name, sc, why in pool.map(check, units):
+            if sc is not None:
+                done[name] = sc
+            elif why:
+                rejected.append(why)
+    if rejected:
+        log.warning("prepare: %d cached shard(s) fail their check and will be rebuilt: %s", len(rejected),
+                    "; ".join(rejected[:5]))
+    todo = [u for u in units if _unit_name(u["split"], u["index"]) not in done]
+
+    if not todo and MANIFEST in sizes:
+        log.info("prepare: cache hit %s: all %d shards verified; nothing to do", location, len(units))
+        return _as_result(location)
+    if MANIFEST in sizes:
+        fs.delete_file(f"{base}/{MANIFEST}")  # stale until the rebuilt shards are in: written last again
+    for name in sizes:
+        if name.startswith(".") and ".tmp-" in name:
+            fs.delete_file(f"{base}/{name}")  # leftovers of tasks killed mid-write
+    if done:
+        log.info("prepare: resuming %s: %d of %d shards already built, %d to build", location, len(done),
+                 len(units), len(todo))
+    else:
+        log.info("prepare: building %s: %d shards x %d tiers %s from %s", location, len(units), len(tiers), tiers,
+                 listing.root)
+    fs.create_dir(f"{base}/{PROGRESS_DIR}", recursive=True)
+
+    built = 0
+    if todo:
+        import ray  # deferred: listing errors and cache hits must not pay for starting Ray
+        import ray.data
+
+        if not ray.is_initialized():
+            ray.init()  # what Ray Data would do on first use; needed here to size the default concurrency
+        if not concurrency:
+            # Fractional CPUs keep prepare schedulable beside Train workers, but more tasks than logical CPUs
+            # only adds worker processes (each pays the imports) competing for the same cores.
+            concurrency = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        ds = ray.data.from_items([{"unit": json.dumps(u)} for u in todo], override_num_blocks=len(todo))
+        ds = ds.map(_map_unit, num_cpus=num_cpus, concurrency=min(concurrency, len(todo)))
+        step = max(1, len(todo) // 10)
+        for row in ds.iter_rows():
+            sc = json.loads(row["sidecar"])
+            done[_unit_name(sc["split"], sc["index"])] = sc
+            built += 1
+            if progress is not None:
+                progress(built, len(todo))
+            if built % step == 0 or built == len(todo):
+                log.info("prepare: %d/%d shards built (%.0f s)", built, len(todo), time.perf_counter() - t0)
+
+    man = _manifest(key, listing, params, units, done, tiers, formats)
+    bad = [b for u in units for b in done[_unit_name(u["split"], u["index"])]["bad"]]
+    bad.sort(key=lambda b: (b["split"], b["sample_id"]))
+    write_bytes_atomic(fs, f"{base}/{BAD_FILES}", json.dumps(bad, indent=1).encode(), uuid.uuid4().hex[:12])
+    write_bytes_atomic(fs, f"{base}/{MANIFEST}", json.dumps(man, indent=1).encode(), uuid.uuid4().hex[:12])
+    counts = ", ".join(f"{s} {man['splits'][s]['num_samples']}" for s in sorted(man["splits"]))
+    log.info("prepare: wrote %s (%s samples; %d bad files skipped; %d shards built, %d reused) in %.1f s",
+             join(location, MANIFEST), counts, len(bad), built, len(units) - built, time.perf_counter() - t0)
+    if bad:
+        log.warning("prepare: %d unreadable source files skipped, listed in %s (first: %s: %s)", len(bad),
+                    join(location, BAD_FILES), bad[0]["path"], bad[0]["reason"])
+    return _as_result(location)
+
+
+def _manifest(key: str, listing: SourceListing, params: dict[str, Any], units: list[dict[str, Any]],
+              done: dict[str, dict[str, Any]], tiers: list[int], formats: dict[int, str]) -> dict[str, Any]:
+    splits: dict[str, Any] = {}
+    for u in units:  # units are in (split, index) order
+        sc = done[_unit_name(u["split"], u["index"])]
+        sp = splits.setdefault(u["split"], {
+            "num_samples": 0, "num_listed": listing.num_files(u["split"]), "num_selected": 0, "num_bad": 0,
+            "tiers": {str(t): {"format": formats[t], "shards": []} for t in tiers}})
+        sp["num_samples"] += sc["rows"]
+        sp["num_selected"] += sc["listed"]
+        sp["num_bad"] += len(sc["bad"])
+        if not sc["rows"]:
+            continue  # an all-bad shard has no files; it is left out of every tier alike
+        for t in tiers:
+            f = sc["files"][str(t)]
+            sp["tiers"][str(t)]["shards"].append(
+                {"file": f["file"], "rows": f["rows"], "sha256": f["sha256"], "bytes": f["bytes"]})
+    return {"key": key, "source": listing.root, "classes": listing.classes, "params": params, "splits": splits,
+            "bad_files": BAD_FILES, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+# --- CLI hook ------------------------------------------------------------------------------------
+def resolve_cache_root(cfg: Config) -> str:
+    """``data.cache_dir``, else ``<storage>/cache`` (storage defaults to ./lightray_runs)."""
+    if cfg.data.cache_dir:
+        return cfg.data.cache_dir
+    return join(cfg.storage or "lightray_runs", "cache")
+
+
+def tiers_for(cfg: Config) -> list[int]:
+    """``data.tiers``, else every phase's resolution plus the eval resolution."""
+    if cfg.data.tiers:
+        return sorted(set(cfg.data.tiers))
+    phases = cfg.schedule.phases
+    eval_res = cfg.schedule.eval_resolution or phases[-1].resolution
+    return sorted({p.resolution for p in phases} | {eval_res})
+
+
+def prepare_main(cfg: Config) -> pathlib.Path | str:
+    """Prepare the shard cache for ``cfg`` ("demo" makes the synthetic ImageFolder tree first)."""
+    cache_root = resolve_cache_root(cfg)
+    source = cfg.data.source
+    if source == "demo":
+        from app.data.demo import ensure_demo
+
+        # The demo tree is written with local file I/O: next to a local cache, else in the node-local dir.
+        demo_parent = cache_root if not is_uri(cache_root) else (cfg.data.local_cache_dir or "/tmp/lightray-cache")
+        os.makedirs(demo_parent, exist_ok=True)
+        source = ensure_demo(demo_parent, cfg.data)
+    limit = {"train": cfg.data.limit_train, "val": cfg.data.limit_val}
+    return prepare(source, cache_root, tiers_for(cfg), jpeg_quality=cfg.data.jpeg_quality,
+                   raw_max_resolution=cfg.data.raw_max_resolution, shard_rows=cfg.data.shard_rows,
+                   limit={k: v for k, v in limit.items() if v} or None, verify=cfg.data.verify_cache,
+                   num_cpus=cfg.data.prepare_cpus_per_task, concurrency=cfg.data.prepare_concurrency or None,
+                   io_threads=cfg.data.prepare_io_threads)

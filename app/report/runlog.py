@@ -1,0 +1,94 @@
+"""The run log: one small Ray actor on the driver's node that owns ``metrics.jsonl`` and TensorBoard.
+
+Rank 0 sends it metrics and events with fire-and-forget calls, so a worker never waits on a file
+system (the run folder can be on S3 while the driver tails a local file), and the driver's progress
+line, summary and report all read one file. It outlives worker-group restarts, which makes it the
+natural place to count them and to measure the work each failure lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import ray
+
+NAMESPACE = "lightray"
+
+
+def actor_name(run_name: str) -> str:
+    return f"runlog-{run_name}"
+
+
+@ray.remote(num_cpus=0)
+class RunLog:
+    def __init__(self, local_dir: str, tensorboard: bool = True):
+        os.makedirs(local_dir, exist_ok=True)
+        self.path = os.path.join(local_dir, "metrics.jsonl")
+        self.tb_dir = os.path.join(local_dir, "tensorboard") if tensorboard else None
+        self._tb = None
+        self.last: dict[str, Any] = {}
+
+    def _writer(self):
+        if self._tb is None and self.tb_dir:
+            try:
+                from app.report.tensorboard_log import TBLogger
+            except ImportError:  # the report module is optional for the run itself
+                self.tb_dir = None
+                return None
+            self._tb = TBLogger(self.tb_dir)
+        return self._tb
+
+    def log(self, record: dict[str, Any]) -> None:
+        record = dict(record, time=record.get("time", time.time()))
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if "event" not in record:
+            self.last = record
+            tb = self._writer()
+            if tb is not None:
+                tb.scalars(record, int(record.get("samples_seen", 0)))
+
+    def flush(self) -> str:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        return self.path
+
+
+def get_runlog(run_name: str):
+    try:
+        return ray.get_actor(actor_name(run_name), namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def start_runlog(run_name: str, local_dir: str, tensorboard: bool = True):
+    """Create the run's log actor on this (the driver's) node, replacing a stale one."""
+    old = get_runlog(run_name)
+    if old is not None:
+        ray.kill(old)
+    node = ray.get_runtime_context().get_node_id()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return RunLog.options(name=actor_name(run_name), namespace=NAMESPACE, lifetime=None,
+                          scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+                          ).remote(local_dir, tensorboard)
+
+
+def read_metrics(run_dir: str) -> list[dict[str, Any]]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a line cut by a crash
+    return out

@@ -1,0 +1,119 @@
+"""summary.json: the result of a run with its evidence (config, versions, hardware, git revision)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from typing import Any
+
+from app.config import Config
+from app.train import state as st
+
+
+def git_revision() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if rev.returncode != 0:
+        return "unknown"
+    return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def versions() -> dict[str, str]:
+    import ray
+    import torch
+    import torchvision
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "torchvision": torchvision.__version__,
+            "ray": ray.__version__}
+
+
+def hardware(use_gpu: bool) -> dict[str, Any]:
+    import ray
+
+    res = ray.cluster_resources() if ray.is_initialized() else {}
+    return {"cluster_cpus": res.get("CPU", 0), "cluster_gpus": res.get("GPU", 0),
+            "driver_cpu_count": os.cpu_count(), "nodes": len([n for n in ray.nodes() if n.get("Alive")])
+            if ray.is_initialized() else 1, "used_gpu": use_gpu, "platform": platform.platform()}
+
+
+def time_to_targets(records: list[dict[str, Any]], targets: list[float]) -> dict[str, float | None]:
+    """Training seconds (accumulated across restarts) until val top-1 first reached each target."""
+    out: dict[str, float | None] = {}
+    for t in targets:
+        hit = next((r for r in records if "val_top1" in r and r["val_top1"] >= t), None)
+        out[f"{t:g}"] = None if hit is None else float(hit.get("elapsed_s", 0.0))
+    return out
+
+
+def lost_work(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each restart: samples and seconds between the last checkpoint it resumed from and the failure."""
+    out = []
+    last_seen: dict[str, Any] | None = None
+    for r in records:
+        if r.get("event") == "restart":
+            if last_seen is not None:
+                out.append({"lost_samples": max(0, last_seen["samples_seen"] - r.get("samples_seen", 0)),
+                            "lost_seconds": max(0.0, last_seen.get("time", 0) - r.get("ckpt_time", last_seen.get(
+                                "time", 0))) if r.get("ckpt_time") else None,
+                            "restart_overhead_s": max(0.0, r["time"] - last_seen.get("time", r["time"])),
+                            "resumed_at": r.get("samples_seen", 0)})
+        elif "event" not in r and "samples_seen" in r:
+            last_seen = r
+    return out
+
+
+def write_summary(cfg: Config, run_dir: str, local_run_dir: str, records: list[dict[str, Any]], t0: float,
+                  t1: float, sched, *, use_gpu: bool, error: BaseException | None = None) -> dict[str, Any]:
+    from app.report.cost import estimate_cost
+
+    train = [r for r in records if "event" not in r]
+    vals = [r for r in train if "val_top1" in r]
+    speeds = [r["images_per_s"] for r in train if "images_per_s" in r and "val_top1" not in r]
+    last = train[-1] if train else {}
+    events = [r for r in records if "event" in r]
+    device_seconds = float(last.get("device_seconds", 0.0))
+    summary = {
+        "run_name": cfg.name,
+        "run_dir": run_dir,
+        "status": "failed" if error else "finished",
+        "error": None if error is None else f"{type(error).__name__}: {error}",
+        "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t0)),
+        "end_time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t1)),
+        "wall_time_s": t1 - t0,
+        "train_time_s": float(last.get("elapsed_s", 0.0)),
+        "epochs": vals[-1]["epoch"] if vals else 0,
+        "epochs_planned": sched.epochs,
+        "samples_seen": int(last.get("samples_seen", 0)),
+        "final_top1": vals[-1]["val_top1"] if vals else None,
+        "final_top5": vals[-1]["val_top5"] if vals else None,
+        "best_top1": max((v["val_top1"] for v in vals), default=None),
+        "best_top5": max((v["val_top5"] for v in vals), default=None),
+        "train_images_per_s": sum(speeds) / len(speeds) if speeds else None,
+        "time_to_target_s": time_to_targets(vals, cfg.report.targets),
+        "restarts": sum(1 for e in events if e["event"] == "restart"),
+        "resizes": sum(1 for e in events if e["event"] == "resize"),
+        "preemption_checkpoints": sum(1 for e in events if e["event"] == "preemption_checkpoint"),
+        "lost_work": lost_work(records),
+        "comm_mode": cfg.comm.mode,
+        "comm_bytes_per_worker": int(last.get("comm_bytes", 0)),
+        "device_seconds": device_seconds,
+        "cost": estimate_cost(cfg.cost, device_seconds, None),
+        "git_revision": git_revision(),
+        "versions": versions(),
+        "hardware": hardware(use_gpu),
+        "command": " ".join(os.sys.argv),
+        "config": cfg.to_dict(),
+    }
+    data = json.dumps(summary, indent=2, default=str).encode()
+    st.write_bytes(st.join(run_dir, "summary.json"), data)
+    if local_run_dir != run_dir:
+        st.write_bytes(os.path.join(local_run_dir, "summary.json"), data)
+    return summary

@@ -1,0 +1,539 @@
+"""Gradient communication for DDP: dense, fp16/bf16, top-k with error feedback, hierarchical top-k.
+
+One ``CommHook`` per worker is registered on the DDP model (``install``); DDP hands it each gradient
+bucket (the flat concatenation of some parameters' local gradients) and takes back the averaged
+bucket. Modes (``comm.mode``):
+
+- ``dense``: ring all-reduce of the fp32 bucket (what DDP does by default).
+- ``fp16`` / ``bf16``: the bucket is divided by the world size, cast, all-reduced, cast back.
+- ``topk``: each worker adds its residual to its local gradient, keeps the ``k = ceil(ratio * n)``
+  largest-magnitude entries, and all-gathers (value, index) pairs; the average of the sparse
+  contributions is the result. With error feedback the entries not sent stay in the residual and
+  are added again next step (Stich et al. 2018; Tencent's record used it between nodes).
+- ``hierarchical_topk``: the bucket is first summed densely among the workers of one node (fast
+  links); the node sum is cut into ``M`` chunks (M = workers per node) and the worker with local
+  rank ``j`` sparsifies chunk ``j`` (plus its residual) and exchanges it only with the workers of
+  local rank ``j`` on the other nodes; the averaged chunks are then all-gathered inside the node.
+  So only ``k`` entries per chunk cross the slow network, and all ``M`` NICs/streams share the
+  work. With one node nothing crosses the network and the bucket is reduced densely.
+- ``powersgd``: torch's PowerSGD hook (rank ``comm.powersgd_rank``), for comparison.
+
+``comm.warmup_steps`` dense steps run before compression starts (top-k from step 0 hurts the early,
+large gradients most). With a single worker nothing is communicated and every mode is the identity.
+
+Residual storage (robust to DDP's bucket rebuild after the first iteration): the canonical form is
+per parameter, keyed by the parameter's name; while a bucket's layout stays the same the hook keeps
+that bucket's residual as one flat tensor (bucket index -> (parameter names, flat residual)). When
+a bucket arrives whose parameter list differs from the cached one (DDP rebuilt its buckets), every
+cached flat residual is split back into per-parameter tensors and the flat ones are rebuilt from
+them, so no residual is ever applied to the wrong parameter. ``state_dict`` always writes the
+per-parameter form.
+
+Checkpoints: the state is per worker (each worker's residual is its own undelivered gradient), so
+every rank saves its own ``state_dict()`` (e.g. ``comm_rank{rank}.pt``) and loads its own.
+Worker-count-change policy (``load_state_dict(sd, world_size)``): when the world size, the
+node layout, the rank or the mode differ from the saved ones, the residuals are dropped (they are
+undelivered gradient of workers that may not exist any more, scaled for another world size) and
+the next ``comm.resize_dense_steps`` steps run dense, so the optimizer gets full gradients while the
+new residuals build up; the step count is kept so the warm-up is not repeated.
+
+Byte meter: ``bytes_sent`` counts the bytes this worker puts on the wire per the standard algorithms
+(ring all-reduce: ``2 (W-1)/W * size``; all-gather: ``(W-1) * own payload``). ``bytes_inter_node``
+counts the part that crosses nodes (for flat modes over several nodes, all of it: a ring's node-
+crossing links carry the same volume as the others). ``dense_bytes`` is what dense fp32 would have
+sent for the same buckets, so ``bytes_sent / dense_bytes`` is the achieved compression.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from app.config import CommConfig
+from app.train.topology import Topology, build_groups
+
+Layout = list[tuple[str, int]]  # (parameter name, numel) in bucket order
+
+STATE_VERSION = 1
+
+
+def ring_allreduce_bytes(nbytes: int, world: int) -> int:
+    """Bytes each worker sends in a ring all-reduce of ``nbytes``."""
+    return 0 if world <= 1 else int(2 * (world - 1) * nbytes / world)
+
+
+def allgather_bytes(payload: int, world: int) -> int:
+    """Bytes each worker sends in an all-gather where it contributes ``payload`` bytes."""
+    return 0 if world <= 1 else (world - 1) * payload
+
+
+def _done(t: torch.Tensor) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(t)
+    return fut
+
+
+class CommHook:
+    """The DDP communication hook of one worker; see the module docstring for the modes."""
+
+    def __init__(self, cfg: CommConfig, topology: Topology, device: torch.device):
+        self.cfg = cfg
+        self.topology = topology
+        self.device = torch.device(device)
+        self.mode = cfg.mode
+        self.world_size = topology.world_size
+        self.step = 0  # optimizer steps seen by the hook (a step ends with DDP's last bucket)
+        self.bytes_sent = 0
+        self.bytes_inter_node = 0
+        self.dense_bytes = 0
+        self.comm_seconds = 0.0  # wall time inside the hook's synchronous parts
+        self.compressed_steps = 0
+        self.dense_steps = 0
+        self._force_dense = 0
+        self._step_was_dense = False
+        self._flat: dict[int, tuple[Layout, torch.Tensor]] = {}
+        self._pending: dict[str, torch.Tensor] = {}
+        self._names_by_ptr: dict[int, str] = {}
+        self._notes: list[str] = []
+        self._prepared = False
+        self._effective = self.mode
+        self._node_group: Any = None
+        self._cross_group: Any = None
+        self._node_size = 1
+        self._num_nodes = 1
+        self._node_chunk_of_member: list[int] = []
+        self._local_index = 0
+        self._need_agree = True  # agree on step / forced dense steps at the first bucket (see _agree)
+        self._psgd: Any = None
+        self._psgd_pending: dict | None = None
+        if self.mode == "powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+            # torch requires start_powerSGD_iter > 1 with error feedback / warm start, because DDP
+            # rebuilds its buckets after the first iteration.
+            self._psgd = psgd.PowerSGDState(
+                process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
+                start_powerSGD_iter=max(2, cfg.warmup_steps), use_error_feedback=cfg.error_feedback,
+                warm_start=True, random_seed=0)
+
+    # --- set-up ------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Create the process groups the mode needs (a collective: every rank calls it). Idempotent."""
+        if self._prepared:
+            return
+        self._prepared = True
+        if self.world_size == 1:
+            self._effective = "identity"
+            self._notes.append("single worker: nothing to communicate")
+            return
+        if self.mode != "hierarchical_topk":
+            return
+        node_groups, cross_groups = build_groups(self.topology)
+        sizes = {len(g) for g in node_groups}
+        # Every rank creates every group in the same order, as new_group requires.
+        made_nodes = [dist.new_group(g) for g in node_groups]
+        made_cross = [dist.new_group(g) for g in cross_groups]
+        rank = dist.get_rank()
+        placement_local = {}
+        for g in cross_groups:
+            for r in g:
+                placement_local[r] = cross_groups.index(g)
+        if len(sizes) != 1 or any(sorted(placement_local[r] for r in g) != list(range(len(g))) for g in node_groups):
+            self._effective = "topk"
+            self._notes.append(f"nodes hold different worker counts {sorted(len(g) for g in node_groups)}: "
+                               "hierarchical top-k falls back to flat top-k")
+            return
+        self._num_nodes = len(node_groups)
+        self._node_size = sizes.pop()
+        if self._num_nodes == 1:
+            self._effective = "dense"
+            self._notes.append("one node: nothing crosses the network, buckets are reduced densely")
+            return
+        for g, pg in zip(node_groups, made_nodes):
+            if rank in g:
+                self._node_group = pg
+                self._node_chunk_of_member = [placement_local[r] for r in g]  # g is sorted like the group
+        for g, pg in zip(cross_groups, made_cross):
+            if rank in g:
+                self._cross_group = pg
+        self._local_index = placement_local[rank]
+
+    def install(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
+        """Register this hook on ``ddp_model`` (a collective for hierarchical_topk)."""
+        module = ddp_model.module
+        self._names_by_ptr = {p.data_ptr(): n for n, p in module.named_parameters() if p.requires_grad}
+        self.prepare()
+        ddp_model.register_comm_hook(self, _ddp_hook)
+
+    # --- per step ---------------------------------------------------------------------------
+    def _agree(self, device: torch.device) -> None:
+        """Make every rank take the same dense/compressed decisions from here on (one tiny all-reduce).
+
+        After a resume the ranks may disagree: a worker added by an elastic resize has no saved
+        state (step 0, still in warm-up), the others have theirs. Mismatched collectives would hang,
+        so at the first bucket after install/load every rank adopts the largest step count and
+        forced-dense count (and PowerSGD iteration).
+        """
+        self._need_agree = False
+        if self.world_size == 1:
+            return
+        vals = [self.step, self._force_dense, self._psgd.iter if self._psgd is not None else 0]
+        t = torch.tensor(vals, dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        self.step, self._force_dense = int(t[0]), int(t[1])
+        if self._psgd is not None:
+            self._psgd.iter = int(t[2])
+
+    def _dense_now(self) -> bool:
+        return self.mode == "dense" or self.step < self.cfg.warmup_steps or self._force_dense > 0
+
+    def _end_step(self) -> None:
+        if self._step_was_dense:
+            self.dense_steps += 1
+            if self._force_dense > 0 and self.step >= self.cfg.warmup_steps:
+                self._force_dense -= 1
+        else:
+            self.compressed_steps += 1
+        self.step += 1
+
+    def _layout(self, bucket: dist.GradBucket) -> Layout:
+        buf = bucket.buffer()
+        params = bucket.parameters()
+        layout = [(self._names_by_ptr.get(p.data_ptr(), f"bucket{bucket.index()}.param{i}"), p.numel())
+                  for i, p in enumerate(params)]
+        if sum(n for _, n in layout) != buf.numel():
+            # A layout we cannot map onto parameters (padding, sparse grads): key by bucket index.
+            layout = [(f"bucket{bucket.index()}", buf.numel())]
+        return layout
+
+    def aggregate(self, buffer: torch.Tensor, layout: Layout, bucket_index: int = 0,
+                  last: bool = True) -> torch.Tensor:
+        """Synchronously average ``buffer`` (this worker's local gradients) across workers.
+
+        The same computation the DDP hook runs for one bucket; public so it can be checked on known
+        tensors without DDP. ``last`` marks the last bucket of a step. Not for powersgd.
+        """
+        if self.mode == "powersgd":
+            raise ValueError("CommHook.aggregate: mode 'powersgd' runs only through DDP (install)")
+        self.prepare()
+        if layout and sum(n for _, n in layout) != buffer.numel():
+            raise ValueError(f"CommHook.aggregate: layout covers {sum(n for _, n in layout)} elements, "
+                             f"buffer has {buffer.numel()}")
+        t0 = time.perf_counter()
+        out = self._reduce(buffer, layout, bucket_index, sync=True)
+        assert isinstance(out, torch.Tensor)
+        self.comm_seconds += time.perf_counter() - t0
+        if last:
+            self._end_step()
+        return out
+
+    def _reduce(self, buf: torch.Tensor, layout: Layout, index: int, sync: bool) -> torch.Tensor | torch.futures.Future:
+        world = self.world_size
+        n = buf.numel()
+        if self._need_agree:
+            self._agree(buf.device)
+        self.dense_bytes += ring_allreduce_bytes(n * 4, world)
+        self._step_was_dense = False
+        if self._effective == "identity":
+            self._step_was_dense = True
+            return buf if sync else _done(buf)
+        if self._dense_now() or self._effective == "dense":
+            self._step_was_dense = True
+            return self._dense(buf, torch.float32 if buf.dtype == torch.float32 else buf.dtype, sync)
+        if self.mode in ("fp16", "bf16"):
+            return self._dense(buf, torch.float16 if self.mode == "fp16" else torch.bfloat16, sync)
+        if self._effective == "topk":
+            out = self._topk(buf, layout, index)
+        else:
+            out = self._hierarchical(buf, layout, index)
+        return out if sync else _done(out)
+
+    def _dense(self, buf: torch.Tensor, dtype: torch.dtype, sync: bool) -> torch.Tensor | torch.futures.Future:
+        world = self.world_size
+        # Divide first (as torch's fp16 hook does) so half-precision sums cannot overflow.
+        send = buf.div(world) if dtype == buf.dtype else buf.to(dtype).div_(world)
+        nbytes = ring_allreduce_bytes(send.numel() * send.element_size(), world)
+        self.bytes_sent += nbytes
+        if self.topology.num_nodes > 1:
+            self.bytes_inter_node += nbytes
+        if sync:
+            dist.all_reduce(send)
+            return send.to(buf.dtype)
+        fut = dist.all_reduce(send, async_op=True).get_future()
+
+        def finish(f: torch.futures.Future) -> torch.Tensor:
+            res = f.value()[0]
+            if res.dtype != buf.dtype:
+                buf.copy_(res)
+                return buf
+            return res
+
+        return fut.then(finish)
+
+    def _sparsify(self, acc: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+        """Pack the top-k of ``acc`` as [values, indices-as-float-bits]; updates ``residual`` in place."""
+        n = acc.numel()
+        k = min(n, max(1, math.ceil(self.cfg.ratio * n)))
+        _, idx = acc.abs().topk(k, sorted=False)
+        vals = acc[idx]
+        if residual is not None:
+            residual.copy_(acc)
+            residual[idx] = 0.0
+        packed = torch.cat([vals.float(), idx.to(torch.int32).view(torch.float32)])
+        return packed, k
+
+    @staticmethod
+    def _scatter_sum(parts: list[torch.Tensor], k: int, n: int, device: torch.device) -> torch.Tensor:
+        out = torch.zeros(n, dtype=torch.float32, device=device)
+        for p in parts:
+            out.index_add_(0, p[k:].view(torch.int32).long(), p[:k])
+        return out
+
+    def _topk(self, buf: torch.Tensor, layout: Layout, index: int) -> torch.Tensor:
+        world = self.world_size
+        acc = buf.float()
+        residual = None
+        if self.cfg.error_feedback:
+            residual = self._residual(index, layout, buf.numel(), buf.device)
+            acc = acc + residual
+        packed, k = self._sparsify(acc, residual)
+        parts = [torch.empty_like(packed) for _ in range(world)]
+        dist.all_gather(parts, packed)
+        nbytes = allgather_bytes(packed.numel() * 4, world)
+        self.bytes_sent += nbytes
+        if self.topology.num_nodes > 1:
+            self.bytes_inter_node += nbytes
+        out = self._scatter_sum(parts, k, buf.numel(), buf.device).div_(world)
+        return out.to(buf.dtype)
+
+    def _hierarchical(self, buf: torch.Tensor, layout: Layout, index: int) -> torch.Tensor:
+        world, m, nodes = self.world_size, self._node_size, self._num_nodes
+        n = buf.numel()
+        node_sum = buf.float().clone()
+        dist.all_reduce(node_sum, group=self._node_group)
+        self.bytes_sent += ring_allreduce_bytes(n * 4, m)
+        c = math.ceil(n / m)
+        lo, hi = min(n, self._local_index * c), min(n, (self._local_index + 1) * c)
+        padded = torch.zeros(c, dtype=torch.float32, device=buf.device)
+        if hi > lo:  # all members of a cross group share local index, hence the same chunk length
+            acc = node_sum[lo:hi]
+            residual = None
+            if self.cfg.error_feedback:
+                residual = self._residual(index, layout, n, buf.device)[lo:hi]
+                acc = acc + residual
+            packed, k = self._sparsify(acc, residual)
+            parts = [torch.empty_like(packed) for _ in range(nodes)]
+            dist.all_gather(parts, packed, group=self._cross_group)
+            nbytes = allgather_bytes(packed.numel() * 4, nodes)
+            self.bytes_sent += nbytes
+            self.bytes_inter_node += nbytes
+            padded[: hi - lo] = self._scatter_sum(parts, k, hi - lo, buf.device).div_(world)
+        chunks = [torch.empty_like(padded) for _ in range(m)]
+        dist.all_gather(chunks, padded, group=self._node_group)
+        self.bytes_sent += allgather_bytes(c * 4, m)
+        ordered = [chunks[self._node_chunk_of_member.index(j)] for j in range(m)]
+        return torch.cat(ordered)[:n].to(buf.dtype)
+
+    # --- residual storage -------------------------------------------------------------------
+    def _residual(self, index: int, layout: Layout, n: int, device: torch.device) -> torch.Tensor:
+        entry = self._flat.get(index)
+        if entry is not None and entry[0] == layout and entry[1].numel() == n:
+            return entry[1]
+        if entry is not None:
+            self._flush()  # DDP rebuilt its buckets: go back to per-parameter form
+        parts = []
+        for name, numel in layout:
+            r = self._pending.pop(name, None)
+            parts.append(r.reshape(-1).to(device=device, dtype=torch.float32) if r is not None and r.numel() == numel
+                         else torch.zeros(numel, dtype=torch.float32, device=device))
+        flat = torch.cat(parts) if parts else torch.zeros(n, dtype=torch.float32, device=device)
+        self._flat[index] = (list(layout), flat)
+        return flat
+
+    def _flush(self) -> None:
+        for layout, flat in self._flat.values():
+            for (name, _), piece in zip(layout, flat.split([nm for _, nm in layout])):
+                self._pending[name] = piece.clone()
+        self._flat.clear()
+
+    def residuals(self) -> dict[str, torch.Tensor]:
+        """Per-parameter residuals (flat, fp32, on CPU), keyed by parameter name."""
+        out = {k: v.detach().cpu().clone() for k, v in self._pending.items()}
+        for layout, flat in self._flat.values():
+            for (name, _), piece in zip(layout, flat.split([nm for _, nm in layout])):
+                out[name] = piece.detach().cpu().clone()
+        return out
+
+    # --- checkpoint ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This worker's state: residuals per parameter name, step count, byte counters, topology."""
+        sd: dict[str, Any] = {
+            "version": STATE_VERSION, "mode": self.mode, "rank": self.topology.rank,
+            "world_size": self.world_size, "num_nodes": self.topology.num_nodes,
+            "local_world_size": self.topology.local_world_size, "step": self.step,
+            "bytes_sent": self.bytes_sent, "bytes_inter_node": self.bytes_inter_node,
+            "dense_bytes": self.dense_bytes, "dense_steps": self.dense_steps,
+            "compressed_steps": self.compressed_steps, "force_dense": self._force_dense,
+            "residuals": self.residuals(), "powersgd": None,
+        }
+        if self._psgd is not None:
+            # The same slots torch's PowerSGDState.__getstate__ saves (all but the process group),
+            # built here to skip its warning on every checkpoint.
+            st = {k: getattr(self._psgd, k) for k in type(self._psgd).__slots__ if k != "process_group"}
+            sd["powersgd"] = {k: _to_cpu(v) for k, v in st.items()}
+        return sd
+
+    def load_state_dict(self, sd: dict, world_size: int) -> None:
+        """Restore this worker's state; drop residuals when the worker set changed (module docstring)."""
+        if not isinstance(sd, dict) or sd.get("version") != STATE_VERSION:
+            got = sd.get("version") if isinstance(sd, dict) else type(sd).__name__
+            raise ValueError(f"CommHook.load_state_dict: bad state (version {got!r}); "
+                             f"expected a dict from CommHook.state_dict() with version {STATE_VERSION}")
+        missing = [k for k in ("mode", "rank", "world_size", "step", "residuals") if k not in sd]
+        if missing:
+            raise ValueError(f"CommHook.load_state_dict: state lacks key {missing[0]!r}")
+        self.step = int(sd["step"])
+        self.bytes_sent = int(sd.get("bytes_sent", 0))
+        self.bytes_inter_node = int(sd.get("bytes_inter_node", 0))
+        self.dense_bytes = int(sd.get("dense_bytes", 0))
+        self.dense_steps = int(sd.get("dense_steps", 0))
+        self.compressed_steps = int(sd.get("compressed_steps", 0))
+        self._flat.clear()
+        self._pending.clear()
+        changes = []
+        if int(sd["world_size"]) != world_size:
+            changes.append(f"world size {sd['world_size']} -> {world_size}")
+        if (sd.get("num_nodes"), sd.get("local_world_size")) != (self.topology.num_nodes,
+                                                                 self.topology.local_world_size):
+            changes.append(f"layout {sd.get('num_nodes')}x{sd.get('local_world_size')} -> "
+                           f"{self.topology.num_nodes}x{self.topology.local_world_size}")
+        if int(sd["rank"]) != self.topology.rank:
+            changes.append(f"state of rank {sd['rank']} loaded on rank {self.topology.rank}")
+        if sd["mode"] != self.mode:
+            changes.append(f"mode {sd['mode']} -> {self.mode}")
+        self._need_agree = True
+        if changes:
+            self._force_dense = self.cfg.resize_dense_steps if self.mode != "dense" else 0
+            self._notes.append(f"resume with {', '.join(changes)}: {len(sd['residuals'])} residuals dropped, "
+                               f"{self._force_dense} dense step(s) next")
+            return
+        self._force_dense = int(sd.get("force_dense", 0))
+        self._pending = {k: v.detach().clone() for k, v in sd["residuals"].items()}
+        if self._psgd is not None and sd.get("powersgd"):
+            st = dict(sd["powersgd"])
+            st["process_group"] = None
+            dev = self.device
+            for key in ("error_dict", "p_memory_dict", "q_memory_dict"):
+                st[key] = {i: t.to(dev) for i, t in st.get(key, {}).items()}
+            for k, v in st.items():
+                if k in type(self._psgd).__slots__:
+                    setattr(self._psgd, k, v)
+            # A fresh DDP runs its first iteration on its initial (not yet rebuilt) buckets, whose
+            # indices do not match the saved per-bucket memories: run that step dense.
+            self._force_dense = max(self._force_dense, 1)
+        self._notes.append(f"resumed at step {self.step} with {len(self._pending)} residual tensors")
+
+    # --- reporting ------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return {"comm_mode": self.mode, "comm_bytes": self.bytes_sent, "comm_bytes_inter_node": self.bytes_inter_node,
+                "comm_dense_bytes": self.dense_bytes, "comm_seconds": self.comm_seconds,
+                "comm_compressed_steps": self.compressed_steps, "comm_dense_steps": self.dense_steps}
+
+    def describe(self) -> str:
+        """One line for the log: the mode, what it did, how much it sent against dense."""
+        c = self.cfg
+        what = {"dense": "dense fp32 all-reduce", "fp16": "fp16-compressed all-reduce",
+                "bf16": "bf16-compressed all-reduce", "powersgd": f"PowerSGD rank {c.powersgd_rank}",
+                "topk": f"top-k {c.ratio:g} all-gather", "hierarchical_topk":
+                f"hierarchical top-k {c.ratio:g} (dense in node, sparse across nodes)"}[self.mode]
+        if self.mode in ("topk", "hierarchical_topk", "powersgd"):
+            what += f", error feedback {'on' if c.error_feedback else 'off'}"
+        if self.mode != "dense":
+            what += f", {c.warmup_steps} dense warm-up step(s)"
+        frac = f"{self.bytes_sent / self.dense_bytes:.2%} of dense" if self.dense_bytes else "n/a"
+        line = (f"comm: {what}; {self.topology.describe()}; steps {self.step} "
+                f"({self.compressed_steps} compressed, {self.dense_steps} dense); sent {self.bytes_sent / 1e6:.2f} MB "
+                f"({frac}), inter-node {self.bytes_inter_node / 1e6:.2f} MB")
+        if self._notes:
+            line += "; " + "; ".join(self._notes)
+        return line
+
+
+def _to_cpu(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.detach().cpu().clone()
+    if isinstance(v, dict):
+        return {k: _to_cpu(x) for k, x in v.items()}
+    return copy.deepcopy(v)  # e.g. PowerSGD's numpy RandomState, which keeps advancing
+
+
+def _ddp_hook(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future:
+    """The function DDP calls per bucket; ``hook`` is the CommHook registered as state."""
+    t0 = time.perf_counter()
+    last = bucket.is_last()
+    if hook.mode == "powersgd":
+        if hook._need_agree:
+            hook._agree(bucket.buffer().device)
+        hook._step_was_dense = hook._psgd.iter < hook._psgd.start_powerSGD_iter  # before the hook advances it
+        fut = _powersgd(hook, bucket)
+    else:
+        fut = hook._reduce(bucket.buffer(), hook._layout(bucket), bucket.index(), sync=False)
+    hook.comm_seconds += time.perf_counter() - t0
+    if last:
+        hook._end_step()
+    return fut
+
+
+# DDP checks the hook's annotations against the real classes; this module's postponed (string)
+# annotations would fail that check.
+_ddp_hook.__annotations__ = {"hook": CommHook, "bucket": dist.GradBucket,
+                             "return": torch.futures.Future[torch.Tensor]}
+
+
+def _drop_stale_powersgd_memory(st: Any, bucket: dist.GradBucket) -> None:
+    """Forget restored per-bucket PowerSGD memories that do not fit this bucket (bucket sizes changed)."""
+    i = bucket.index()
+    err = st.error_dict.get(i)
+    if err is not None and err.numel() != bucket.buffer().numel():
+        for d in (st.error_dict, st.p_memory_dict, st.q_memory_dict):
+            d.pop(i, None)
+
+
+def _powersgd(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future:
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    st, world = hook._psgd, hook.world_size
+    buf = bucket.buffer()
+    if hook._force_dense > 0:
+        hook._step_was_dense = True
+        if bucket.is_last():
+            st.iter += 1  # keep PowerSGD's own step count in line with ours
+        return hook._reduce(buf, [], bucket.index(), sync=False)
+    _drop_stale_powersgd_memory(st, bucket)
+    hook.dense_bytes += ring_allreduce_bytes(buf.numel() * 4, world)
+    esize = buf.element_size()
+    if st.iter < st.start_powerSGD_iter:
+        sent = ring_allreduce_bytes(buf.numel() * esize, world)
+    else:
+        # Mirrors the hook's split: matrices worth compressing send P (rows x r) and Q (cols x r);
+        # everything else is all-reduced as is.
+        dense_elems = p_elems = q_elems = 0
+        for g in bucket.gradients():
+            if g.dim() > 1:
+                rows, cols = g.shape[0], g.numel() // g.shape[0]
+                r = min(rows, cols, st.matrix_approximation_rank)
+                if (rows + cols) * r * st.min_compression_rate < rows * cols:
+                    p_elems += rows * r
+                    q_elems += cols * r
+                    continue
+            dense_elems += g.numel()
+        sent = sum(ring_allreduce_bytes(e * esize, world) for e in (dense_elems, p_elems, q_elems))
+    hook.bytes_sent += sent
+    if hook.topology.num_nodes > 1:
+        hook.bytes_inter_node += sent
+    return psgd.powerSGD_hook(st, bucket)

@@ -1,0 +1,200 @@
+"""Device placement and the device speed-up units (mixed precision, cuDNN autotune, TF32, compile).
+
+Every unit here is one function that decides from the config and the device, does its thing, and says
+what it did in one line through :func:`unit_log` (also when it was off or not applicable on this
+device), so a run's log shows which speed-ups were really active. The worker loop drains those lines
+with :func:`pop_unit_events` and writes them to ``metrics.jsonl`` as ``{"event": "unit", ...}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from app.config import ConfigError, ModelConfig
+
+log = logging.getLogger("lightray.unit")
+
+# Lines said by the units since the last pop; kept in-process so the worker loop can forward them to
+# metrics.jsonl without every unit needing a handle on the run's writer.
+_UNIT_EVENTS: list[dict[str, Any]] = []
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def unit_log(unit: str, message: str, **fields: Any) -> None:
+    """Record what a speed-up unit did: one log line plus an event for ``metrics.jsonl``."""
+    log.info("[%s] %s", unit, message)
+    _UNIT_EVENTS.append({"unit": unit, "message": message, **fields})
+
+
+def pop_unit_events() -> list[dict[str, Any]]:
+    """The unit events said since the last call (oldest first), clearing the list."""
+    events = list(_UNIT_EVENTS)
+    _UNIT_EVENTS.clear()
+    return events
+
+
+def select_device() -> torch.device:
+    """``cuda:<local rank>`` when a GPU is visible, else ``cpu``.
+
+    Inside a Ray Train worker Ray has already set ``CUDA_VISIBLE_DEVICES`` and knows which of the visible
+    GPUs is ours, so its answer wins; outside (tests, benchmarks) fall back to ``LOCAL_RANK``.
+    """
+    if not torch.cuda.is_available():
+        unit_log("device", "no CUDA device visible; using cpu", device="cpu")
+        return torch.device("cpu")
+    device: torch.device | None = None
+    try:
+        import ray.train.torch as rtt  # only imported on GPU hosts: ray's import costs seconds
+
+        device = rtt.get_device()
+        how = "ray.train.torch.get_device()"
+    except Exception:  # not inside a Ray Train worker (or an older Ray): use the launcher's local rank
+        device = None
+    if device is None or device.type != "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        how = "LOCAL_RANK"
+    torch.cuda.set_device(device)
+    unit_log("device", f"using {device} ({torch.cuda.get_device_name(device)}) from {how}", device=str(device))
+    return device
+
+
+def backend_for(device: torch.device) -> str:
+    """The torch.distributed backend for this device type."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def precision_for(cfg: ModelConfig, device: torch.device) -> str:
+    """Resolve ``model.precision`` for this device: ``fp32``, ``bf16`` or ``fp16``.
+
+    ``auto`` picks bf16 on a GPU that supports it (no loss scaling needed), fp16 on an older GPU (V100,
+    T4: the DAWNBench-era setting, with a grad scaler) and fp32 on CPU (CPU autocast is slower than
+    fp32 for convolutions on most CPUs).
+    """
+    want = cfg.precision
+    cuda = device.type == "cuda"
+    bf16_ok = cuda and torch.cuda.is_bf16_supported()
+    if want == "auto":
+        got = ("bf16" if bf16_ok else "fp16") if cuda else "fp32"
+    elif want == "fp16" and not cuda:
+        raise ConfigError("model.precision: bad value 'fp16' on cpu; fp16 needs a CUDA GPU (use auto, fp32 or bf16)")
+    elif want == "bf16" and cuda and not bf16_ok:
+        raise ConfigError(
+            f"model.precision: bad value 'bf16'; {torch.cuda.get_device_name(device)} has no bf16 support "
+            "(use auto, fp16 or fp32)"
+        )
+    else:
+        got = want
+    if got == "fp32":
+        unit_log("precision", f"mixed precision off: fp32 on {device.type} (model.precision={want})", precision=got)
+    else:
+        unit_log("precision", f"autocast to {got} on {device.type} (model.precision={want})", precision=got)
+    return got
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """A context manager running the forward pass in ``precision`` (a no-op for fp32)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if precision not in _DTYPES:
+        raise ValueError(f"precision: bad value {precision!r}; expected fp32, bf16 or fp16")
+    return torch.autocast(device_type=device.type, dtype=_DTYPES[precision])
+
+
+def make_grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
+    """A loss scaler, enabled only for fp16 (bf16 has fp32's exponent range and needs none).
+
+    A disabled scaler's ``scale``/``step``/``update`` are pass-throughs, so the loop is the same code
+    for every precision.
+    """
+    enabled = precision == "fp16"
+    scaler = torch.amp.GradScaler(device.type, enabled=enabled)
+    if enabled:
+        unit_log("grad_scaler", "dynamic loss scaling on for fp16", enabled=True)
+    else:
+        unit_log("grad_scaler", f"loss scaling off: not needed for {precision}", enabled=False)
+    return scaler
+
+
+def enable_cudnn_benchmark(cfg: ModelConfig | None = None, device: torch.device | None = None) -> bool:
+    """Turn on cuDNN's per-shape algorithm search and TF32 for fp32 leftovers; True when cudnn_benchmark is on.
+
+    Benchmark mode pays a search on each new input shape (once per phase resolution) and then runs the
+    fastest kernels; with drop-last batches the shapes stay fixed within a phase.
+    """
+    want_bench = cfg.cudnn_benchmark if cfg is not None else True
+    want_tf32 = cfg.tf32 if cfg is not None else True
+    on_gpu = (device.type == "cuda") if device is not None else torch.cuda.is_available()
+    if not on_gpu:
+        unit_log("cudnn_benchmark", "not applicable on cpu; left off", enabled=False)
+        return False
+    torch.backends.cudnn.benchmark = bool(want_bench)
+    # TF32 only matters for ops autocast leaves in fp32 (and for fp32 runs); Ampere and later only.
+    torch.backends.cuda.matmul.allow_tf32 = bool(want_tf32)
+    torch.backends.cudnn.allow_tf32 = bool(want_tf32)
+    unit_log(
+        "cudnn_benchmark",
+        f"cudnn.benchmark={'on' if want_bench else 'off (model.cudnn_benchmark=false)'}, "
+        f"tf32={'on' if want_tf32 else 'off'}",
+        enabled=bool(want_bench),
+        tf32=bool(want_tf32),
+    )
+    return bool(want_bench)
+
+
+def maybe_compile(model: nn.Module, cfg: ModelConfig, device: torch.device) -> nn.Module:
+    """``torch.compile(model)`` when ``model.compile`` is on and the device is a GPU; else ``model`` unchanged."""
+    if not cfg.compile:
+        unit_log("compile", "torch.compile off (model.compile=false)", enabled=False)
+        return model
+    if device.type != "cuda":
+        unit_log("compile", "torch.compile not applicable on cpu (GPU only); running eager", enabled=False)
+        return model
+    # Progressive resizing and the eval pass each bring new shapes: allow enough recompiles that dynamo
+    # does not silently fall back to eager for the last phase.
+    import torch._dynamo
+
+    limit_name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    if getattr(torch._dynamo.config, limit_name) < 32:
+        setattr(torch._dynamo.config, limit_name, 32)
+    compiled = torch.compile(model, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
+    unit_log("compile", f"torch.compile on (mode={cfg.compile_mode}); first step of each shape compiles",
+             enabled=True, mode=cfg.compile_mode)
+    return compiled  # type: ignore[return-value]
+
+
+def images_to_device(
+    images: torch.Tensor,
+    device: torch.device,
+    channels_last: bool,
+    layout: str = "NHWC",
+    mean: tuple[float, float, float] = IMAGENET_MEAN,
+    std: tuple[float, float, float] = IMAGENET_STD,
+) -> torch.Tensor:
+    """uint8 images -> normalized float32 NCHW on ``device`` (channels_last memory when asked).
+
+    The copy is done in uint8 (a quarter of the bytes of float32) and the normalization on the device.
+    """
+    if images.dtype != torch.uint8:
+        raise ValueError(f"images: bad dtype {images.dtype}; expected torch.uint8")
+    if images.dim() != 4 or layout not in ("NHWC", "NCHW"):
+        raise ValueError(f"images: bad shape {tuple(images.shape)} / layout {layout!r}; expected 4-D NHWC or NCHW")
+    x = images.to(device, non_blocking=True)
+    if layout == "NHWC":
+        x = x.permute(0, 3, 1, 2)  # a view: memory stays NHWC, which *is* channels_last for NCHW
+    x = x.float()  # keeps the input's strides (NHWC memory stays channels_last)
+    m = torch.tensor(mean, device=device).view(1, 3, 1, 1) * 255.0
+    s = torch.tensor(std, device=device).view(1, 3, 1, 1) * 255.0
+    x = (x - m) / s
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    return x.contiguous(memory_format=fmt)

@@ -1,0 +1,41 @@
+"""Validation: top-1 / top-5 over the whole validation split, summed exactly across ranks."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from app.config import Config
+from app.train import device as dev
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, shard, device: torch.device, precision: str, cfg: Config,
+             prefetch_batches: int = 2, batch_size: int = 256) -> dict[str, float]:
+    """Each rank scores its part of the split; counts (not means) are all-reduced, so the result is
+    exactly the full split's accuracy whatever the number of workers or their share."""
+    was_training = model.training
+    model.eval()
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    totals = torch.zeros(4, dtype=torch.float64, device=device)  # n, top1, top5, loss sum
+    for batch in shard.iter_batches(batch_size=batch_size, batch_format="numpy", prefetch_batches=prefetch_batches):
+        if len(batch["label"]) == 0:
+            continue
+        x = dev.images_to_device(torch.from_numpy(batch["image"]), device, cfg.model.channels_last)
+        y = torch.from_numpy(batch["label"]).to(device)
+        with dev.autocast(precision, device):
+            logits = model(x).float()
+            if cfg.schedule.tta_flip:
+                logits = (logits + model(torch.flip(x, dims=[3])).float()) / 2
+        k = min(5, logits.shape[1])
+        top = logits.topk(k, dim=1).indices
+        hit = top.eq(y.view(-1, 1))
+        totals += torch.tensor([len(y), hit[:, :1].sum().item(), hit.any(dim=1).sum().item(),
+                                loss_fn(logits, y).item()], dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(totals)
+    model.train(was_training)
+    n = max(1.0, totals[0].item())
+    return {"val_top1": totals[1].item() / n, "val_top5": totals[2].item() / n, "val_loss": totals[3].item() / n,
+            "val_samples": int(totals[0].item())}

@@ -1,0 +1,192 @@
+"""Driver side of a run: Ray connection, data preparation, the TorchTrainer, summary.json.
+
+``run_training(cfg)`` is the one function behind ``python app/run.py``, the tuner's trials and the
+benchmarks. It blocks until the run ends and returns the summary it wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import sys
+import time
+from functools import partial
+from typing import Any
+
+import ray
+import yaml
+
+from app.config import Config
+from app.data.ingest import IngestSpec, PhaseSpec, TierShards, make_units_dataset, phase_units, val_units
+from app.schedule import Schedule
+from app.train import state as st
+
+log = logging.getLogger("lightray")
+
+
+def default_storage() -> str:
+    return os.environ.get("LIGHTRAY_STORAGE", str(pathlib.Path.cwd() / "lightray_runs"))
+
+
+def resolve_run(cfg: Config, resume: bool = False) -> None:
+    """Fill in storage and name (``--resume`` without a name picks the newest run in the storage)."""
+    if not cfg.storage:
+        cfg.storage = default_storage()
+    if "://" not in cfg.storage:
+        cfg.storage = str(pathlib.Path(cfg.storage).expanduser().resolve())
+    if not cfg.name and resume:
+        runs = [p for p in pathlib.Path(cfg.storage).glob("*/config.yaml")] if "://" not in cfg.storage else []
+        if not runs:
+            raise FileNotFoundError(f"--resume: no run found in storage {cfg.storage}")
+        cfg.name = max(runs, key=lambda p: p.stat().st_mtime).parent.name
+    if not cfg.name:
+        cfg.name = f"{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def connect_ray(cfg: Config, verbose: bool = False) -> None:
+    """Join a running cluster if there is one, else start a local one with more logical CPUs than cores
+    (Train workers reserve CPUs; Ray Data's tasks need some left or the run stalls)."""
+    if ray.is_initialized():
+        return
+    kwargs: dict[str, Any] = {"log_to_driver": verbose, "include_dashboard": False}
+    try:
+        from app.report.progress import quiet_ray_logging
+
+        kwargs.update(quiet_ray_logging(verbose))
+    except ImportError:
+        pass
+    address = cfg.scaling.ray_address
+    if address == "auto" and not os.environ.get("RAY_ADDRESS"):
+        try:
+            ray.init(address="auto", **{k: v for k, v in kwargs.items() if k != "include_dashboard"})
+            return
+        except (ConnectionError, RuntimeError, ValueError):
+            pass
+        ncpu = cfg.scaling.ray_num_cpus or 2 * (os.cpu_count() or 1)
+        ray.init(num_cpus=ncpu, **kwargs)
+    else:
+        ray.init(address=None if address == "auto" else address,
+                 **{k: v for k, v in kwargs.items() if k != "include_dashboard"})
+
+
+def eval_resolution(cfg: Config) -> int:
+    return cfg.schedule.eval_resolution or cfg.schedule.phases[-1].resolution
+
+
+def _tier(manifest, split: str, want: int) -> TierShards:
+    tiers = sorted(int(t) for t in manifest.tiers(split))
+    chosen = next((t for t in tiers if t >= want), tiers[-1])
+    shards = manifest.shards(split, chosen)
+    return TierShards(chosen, manifest.format(split, chosen), [s.uri for s in shards], [s.sha256 for s in shards],
+                      [s.rows for s in shards])
+
+
+def build_ingest_spec(cfg: Config, manifest) -> tuple[IngestSpec, Schedule]:
+    train_size = manifest.num_samples("train")
+    sched = Schedule(cfg.schedule, cfg.optim, train_size)
+    phases, first = [], 0
+    for i, ph in enumerate(cfg.schedule.phases):
+        end = min(ph.until_epoch, sched.epochs)
+        phases.append(PhaseSpec(i, ph.resolution, ph.batch_size, ph.min_scale, first, end,
+                                _tier(manifest, "train", ph.resolution)))
+        first = end
+    spec = IngestSpec(seed=cfg.scaling.seed, local_dir=cfg.data.local_cache_dir or "/tmp/lightray-cache",
+                      train_size=train_size, phases=phases,
+                      val=_tier(manifest, "val", round(eval_resolution(cfg) / cfg.data.val_crop_ratio)),
+                      eval_resolution=eval_resolution(cfg), val_crop_ratio=cfg.data.val_crop_ratio,
+                      map_concurrency=cfg.data.preprocess_concurrency or None,
+                      prefetch_batches=cfg.data.prefetch_batches)
+    return spec, sched
+
+
+def _train_dataset(run_dir: str, spec: IngestSpec, sched: Schedule, phase: int):
+    """Called by Ray Train at every worker-group start: the phase's stream from the resume point."""
+    point = st.choose_and_record_resume(run_dir)
+    pos = sched.locate(point.samples_seen)
+    return make_units_dataset(phase_units(spec, phase, pos.epoch, pos.step_in_epoch)
+                              if point.samples_seen < sched.total_samples else [])
+
+
+def _val_dataset(spec: IngestSpec):
+    return make_units_dataset(val_units(spec)) if spec.val.rows else make_units_dataset([])
+
+
+def _limit_data_resources(train_cpus: float) -> None:
+    """Cap Ray Data below what the Train workers reserve (ray#44687: starved Data tasks deadlock)."""
+    from ray.data import DataContext, ExecutionResources
+
+    total = ray.cluster_resources().get("CPU", 1)
+    ctx = DataContext.get_current()
+    ctx.execution_options.resource_limits = ExecutionResources(cpu=max(0.5, total - train_cpus))
+    ctx.enable_progress_bars = False
+
+
+def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, verbose: bool = False,
+                 stream=None) -> dict[str, Any]:
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from app.data.manifest import Manifest
+    from app.data.prepare import prepare_main
+    from app.report.runlog import read_metrics, start_runlog
+    from app.report.summary import write_summary
+    from app.train.worker import train_loop_per_worker
+
+    stream = stream or sys.stdout
+    resolve_run(cfg, resume)
+    run_dir = st.join(cfg.storage, cfg.name)
+    local_run_dir = run_dir if "://" not in run_dir else str(pathlib.Path.home() / "lightray_runs" / cfg.name)
+    os.makedirs(local_run_dir, exist_ok=True)
+    if not resume and st.list_checkpoints(run_dir):
+        raise FileExistsError(f"run {run_dir} already has checkpoints; pass --resume to continue it or use "
+                              "another --name")
+    t0 = time.time()
+    connect_ray(cfg, verbose)
+    manifest = Manifest.load(str(prepare_main(cfg)))
+    spec, sched = build_ingest_spec(cfg, manifest)
+    st.write_bytes(st.join(run_dir, "config.yaml"), yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode())
+    st.write_bytes(st.join(run_dir, "classes.json"), json.dumps(list(manifest.classes)).encode())
+
+    lo, hi = cfg.worker_range()
+    use_gpu = cfg.scaling.use_gpu == "true" or (
+        cfg.scaling.use_gpu == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
+    _limit_data_resources(hi * cfg.scaling.cpus_per_worker)
+    runlog = start_runlog(cfg.name, local_run_dir, cfg.report.tensorboard)
+    datasets = {f"train_p{i}": partial(_train_dataset, run_dir, spec, sched, i) for i in range(len(spec.phases))}
+    datasets["val"] = partial(_val_dataset, spec)
+    from app.data.ingest import PlanDataConfig
+
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"cfg": cfg.to_dict(), "spec": spec, "run_dir": run_dir,
+                           "num_classes": len(manifest.classes)},
+        scaling_config=ScalingConfig(num_workers=(lo, hi) if lo < hi else hi, use_gpu=use_gpu,
+                                     resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
+                                     elastic_resize_monitor_interval_s=cfg.scaling.resize_check_s),
+        run_config=RunConfig(name=cfg.name, storage_path=cfg.storage,
+                             failure_config=FailureConfig(max_failures=cfg.scaling.max_failures),
+                             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep)),
+        datasets=datasets,
+        dataset_config=PlanDataConfig(spec),
+    )
+    printer = None
+    if progress:
+        from app.report.progress import ProgressPrinter
+
+        printer = ProgressPrinter(local_run_dir, stream=stream).start()
+    error = None
+    try:
+        trainer.fit()
+    except Exception as exc:  # summary.json is written for failed runs too
+        error = exc
+    finally:
+        ray.get(runlog.flush.remote())
+        if printer is not None:
+            printer.stop()
+    summary = write_summary(cfg, run_dir, local_run_dir, read_metrics(local_run_dir), t0, time.time(), sched,
+                            use_gpu=use_gpu, error=error)
+    if error is not None:
+        raise error
+    return summary

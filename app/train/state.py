@@ -1,0 +1,152 @@
+"""Trainer state in checkpoints: what is saved, how validity is proven, which one a start resumes from.
+
+A checkpoint folder ``checkpoint_<samples_seen>`` holds, per rank, ``state_rank<r>.pt`` and, written
+after it, ``meta_rank<r>.json`` with that file's sha256. Rank 0's file has the replicated state
+(model, optimizer, EMA, grad scaler, schedule position, counters); every rank's file has its own
+communication residuals and RNG states. A folder counts only when every rank's meta is there and
+every hash matches: a half-uploaded or corrupted checkpoint is skipped with a warning and the
+previous one used.
+
+Every worker-group start resumes from ``select_resume(run_dir)``: Ray Train calls the dataset
+functions (which pick the data position) and then the workers; both read the same choice from
+``resume.json`` so the model and the data stream always agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import pathlib
+import re
+from dataclasses import asdict, dataclass
+
+import pyarrow.fs as pafs
+import torch
+
+log = logging.getLogger(__name__)
+CKPT_RE = re.compile(r"^checkpoint_(\d{12})$")
+
+
+def checkpoint_name(samples_seen: int) -> str:
+    return f"checkpoint_{samples_seen:012d}"
+
+
+def _fs(uri: str) -> tuple[pafs.FileSystem, str]:
+    if "://" in uri:
+        return pafs.FileSystem.from_uri(uri)
+    return pafs.LocalFileSystem(), str(pathlib.Path(uri).resolve())
+
+
+def read_bytes(uri: str) -> bytes:
+    fs, path = _fs(uri)
+    with fs.open_input_stream(path) as f:
+        return f.read()
+
+
+def write_bytes(uri: str, data: bytes) -> None:
+    """Write a small file atomically where the filesystem allows it (local: temp + rename)."""
+    fs, path = _fs(uri)
+    if isinstance(fs, pafs.LocalFileSystem):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        return
+    with fs.open_output_stream(path) as f:
+        f.write(data)
+
+
+def join(base: str, *parts: str) -> str:
+    return "/".join([base.rstrip("/"), *parts])
+
+
+def save_rank_state(folder: str, rank: int, state: dict, meta: dict) -> None:
+    """Write this rank's state file, then its meta (with the file's sha256) into a local folder."""
+    os.makedirs(folder, exist_ok=True)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    data = buf.getvalue()
+    with open(os.path.join(folder, f"state_rank{rank}.pt"), "wb") as f:
+        f.write(data)
+    meta = dict(meta, rank=rank, sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+    with open(os.path.join(folder, f"meta_rank{rank}.json"), "w") as f:
+        json.dump(meta, f)
+
+
+@dataclass
+class ResumePoint:
+    checkpoint: str | None  # folder URI, or None for a fresh start
+    samples_seen: int
+    world_size: int  # of the run that wrote it (0 for a fresh start)
+    skipped: list[str]  # newer folders that failed validation
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+
+def validate_checkpoint(folder: str) -> dict:
+    """Rank 0's meta if every rank's file is present and matches its hash; raises ValueError otherwise."""
+    try:
+        meta0 = json.loads(read_bytes(join(folder, "meta_rank0.json")))
+    except (OSError, FileNotFoundError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{folder}: meta_rank0.json unreadable ({exc})") from None
+    for r in range(int(meta0.get("world_size", 1))):
+        try:
+            meta = meta0 if r == 0 else json.loads(read_bytes(join(folder, f"meta_rank{r}.json")))
+            data = read_bytes(join(folder, f"state_rank{r}.pt"))
+        except (OSError, FileNotFoundError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{folder}: rank {r} files missing or unreadable ({exc})") from None
+        if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
+            raise ValueError(f"{folder}: state_rank{r}.pt does not match its recorded sha256 (corrupt or partial)")
+    return meta0
+
+
+def list_checkpoints(run_dir: str) -> list[tuple[int, str]]:
+    """(samples_seen, folder) of every checkpoint folder in the run, newest first."""
+    fs, path = _fs(run_dir)
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    except OSError:
+        return []
+    out = []
+    for info in infos:
+        m = CKPT_RE.match(os.path.basename(info.path))
+        if m and info.type == pafs.FileType.Directory:
+            out.append((int(m.group(1)), join(run_dir, os.path.basename(info.path))))
+    return sorted(out, reverse=True)
+
+
+def select_resume(run_dir: str) -> ResumePoint:
+    """The newest valid checkpoint of the run (or a fresh start), skipping invalid ones with a warning."""
+    skipped = []
+    for samples, folder in list_checkpoints(run_dir):
+        try:
+            meta = validate_checkpoint(folder)
+        except ValueError as exc:
+            log.warning("skipping checkpoint: %s", exc)
+            skipped.append(str(exc))
+            continue
+        return ResumePoint(folder, int(meta["samples_seen"]), int(meta["world_size"]), skipped)
+    return ResumePoint(None, 0, 0, skipped)
+
+
+def choose_and_record_resume(run_dir: str) -> ResumePoint:
+    point = select_resume(run_dir)
+    write_bytes(join(run_dir, "resume.json"), point.to_json())
+    return point
+
+
+def read_recorded_resume(run_dir: str) -> ResumePoint:
+    try:
+        return ResumePoint(**json.loads(read_bytes(join(run_dir, "resume.json"))))
+    except (OSError, FileNotFoundError):
+        return ResumePoint(None, 0, 0, [])
+
+
+def load_rank_state(folder: str, rank: int, map_location: str | torch.device = "cpu") -> dict:
+    data = read_bytes(join(folder, f"state_rank{rank}.pt"))
+    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=False)

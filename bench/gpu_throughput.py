@@ -1,0 +1,194 @@
+"""Training images/s of one GPU on synthetic data: plain PyTorch vs lightray's device units, side by side.
+
+Variants, all through the same step (uint8 NHWC batch already on the device -> normalize -> forward ->
+label-smoothed CE -> backward -> SGD+Nesterov step):
+  plain             fp32, contiguous NCHW, cudnn.benchmark off, zero-init off, torch's default SGD kernel
+  lightray          bf16 autocast (fp16 + scaler on GPUs without bf16), channels_last, cudnn.benchmark,
+                    fused SGD -- the units of app/train/{device,model,optim}.py
+  lightray_compile  lightray + torch.compile (GPU only; eager on CPU, reported as compile_applied=false)
+
+Reference: NVIDIA's PyTorch ResNet-50 v1.5 AMP training reaches about 2,500 img/s on one A100 80GB;
+the target for one H200 is >= 3,000.
+
+    python -m bench.gpu_throughput                 # ResNet-50, 224 px, batch 256 on cuda
+    python -m bench.gpu_throughput --cpu-dry-run   # tiny sizes on CPU, to test the script
+
+Prints one JSON line: {"bench": "gpu_throughput", "figures": ..., "ratios": ..., "machine": ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+from app.config import ModelConfig, OptimConfig
+from app.train import device as dev
+from app.train.model import build_model, to_device
+from app.train.optim import build_loss, build_optimizer, set_lr_momentum
+
+REFERENCE_A100_AMP_IMG_S = 2500.0
+TARGET_H200_IMG_S = 3000.0
+
+
+def _r(x: float) -> float:
+    """Four significant digits: enough for a speed figure, readable at any scale (CPU dry runs are < 1)."""
+    return float(f"{x:.4g}")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_variant(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    plain = name == "plain"
+    mcfg = ModelConfig(arch=args.arch, zero_init_residual=not plain, channels_last=not plain,
+                       compile=name == "lightray_compile", precision="fp32" if plain else "auto")
+    ocfg = OptimConfig(name="sgd", fused=not plain, label_smoothing=0.1)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = False  # torch's default, for the plain variant
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = True  # torch's default for convolutions
+        if not plain:
+            dev.enable_cudnn_benchmark(mcfg, device)
+    torch.manual_seed(0)
+    model = to_device(build_model(mcfg, args.classes), device, mcfg)
+    precision = dev.precision_for(mcfg, device)
+    scaler = dev.make_grad_scaler(precision, device)
+    if plain:  # torch's out-of-the-box SGD (foreach on CUDA), decay on every tensor
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True,
+                                                     weight_decay=5e-5)
+    else:
+        opt = build_optimizer(model, ocfg, device)
+    set_lr_momentum(opt, 0.1, 0.9)
+    loss_fn = build_loss(ocfg)
+    step_model = dev.maybe_compile(model, mcfg, device)
+    compile_applied = step_model is not model
+    g = torch.Generator(device="cpu").manual_seed(1)
+    # Several batches in rotation so the timing is not of one cached input (METHOD: rotate inputs).
+    images = [torch.randint(0, 256, (args.batch, args.res, args.res, 3), dtype=torch.uint8, generator=g).to(device)
+              for _ in range(3)]
+    labels = [torch.randint(0, args.classes, (args.batch,), generator=g).to(device) for _ in range(3)]
+
+    def step(i: int) -> torch.Tensor:
+        x = dev.images_to_device(images[i % 3], device, channels_last=mcfg.channels_last)
+        with dev.autocast(precision, device):
+            loss = loss_fn(step_model(x), labels[i % 3])
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss
+
+    model.train()
+    t0 = time.perf_counter()
+    for i in range(args.warmup):
+        loss = step(i)
+    _sync(device)
+    warmup_s = time.perf_counter() - t0
+    rates = []
+    for _ in range(args.windows):
+        t = time.perf_counter()
+        for i in range(args.steps):
+            loss = step(i)
+        _sync(device)
+        rates.append(args.batch * args.steps / (time.perf_counter() - t))
+    final_loss = float(loss.detach().float())
+    if not torch.isfinite(torch.tensor(final_loss)):
+        raise RuntimeError(f"{name}: loss became {final_loss}")
+    out = {"img_s": statistics.median(rates), "img_s_min": min(rates), "img_s_max": max(rates),
+           "warmup_s": warmup_s, "precision": precision, "compile_applied": compile_applied, "loss": final_loss}
+    if device.type == "cuda":
+        out["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        torch.cuda.reset_peak_memory_stats(device)
+    return out  # the model, optimiser and batches go with this frame; main() empties the CUDA cache
+
+
+def machine(device: torch.device, dry_run: bool) -> dict[str, Any]:
+    info: dict[str, Any] = {"device": str(device.type), "python": sys.version.split()[0], "torch": torch.__version__,
+                            "platform": platform.platform(), "dry_run": dry_run}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["cuda"] = torch.version.cuda
+        info["cudnn"] = torch.backends.cudnn.version()
+    try:
+        info["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                     timeout=5).stdout.strip() or "uncommitted"
+    except (OSError, subprocess.SubprocessError):
+        info["git"] = "unknown"
+    info["command"] = " ".join(["python -m bench.gpu_throughput", *sys.argv[1:]])
+    return info
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", default="resnet50", choices=["resnet_tiny", "resnet18", "resnet34", "resnet50"])
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--res", type=int, default=224)
+    p.add_argument("--classes", type=int, default=1000)
+    p.add_argument("--warmup", type=int, default=15, help="untimed steps (compile, cuDNN search)")
+    p.add_argument("--steps", type=int, default=30, help="steps per timed window")
+    p.add_argument("--windows", type=int, default=3, help="timed windows; the median is reported")
+    p.add_argument("--variants", default="plain,lightray,lightray_compile")
+    p.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on CPU: checks the script, times nothing")
+    args = p.parse_args(argv)
+    if args.cpu_dry_run:
+        device = torch.device("cpu")
+        args.batch, args.res, args.classes, args.warmup, args.steps, args.windows = 2, 32, 10, 1, 1, 1
+    else:
+        if not torch.cuda.is_available():
+            p.error("no CUDA device visible; use --cpu-dry-run to check the script on CPU")
+        device = dev.select_device()
+    variants = [v for v in args.variants.split(",") if v]
+    bad = [v for v in variants if v not in ("plain", "lightray", "lightray_compile")]
+    if bad:
+        p.error(f"--variants: unknown {bad}; allowed: plain, lightray, lightray_compile")
+    results: dict[str, dict[str, Any]] = {}
+    figures: dict[str, Any] = {"arch": args.arch, "batch": args.batch, "resolution": args.res}
+    for v in variants:
+        try:
+            results[v] = run_variant(v, args, device)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        except Exception as exc:  # one broken variant (say, compile on a new stack) must not hide the others
+            figures[f"{v}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            print(f"gpu_throughput: variant {v} failed: {exc!r}", file=sys.stderr)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if not results:
+        raise SystemExit("gpu_throughput: every variant failed; see the errors above")
+    for v, r in results.items():
+        figures[f"{v}_img_s"] = _r(r["img_s"])
+        figures[f"{v}_img_s_range"] = [_r(r["img_s_min"]), _r(r["img_s_max"])]
+        figures[f"{v}_warmup_s"] = round(r["warmup_s"], 2)
+        figures[f"{v}_precision"] = r["precision"]
+        figures[f"{v}_compile_applied"] = r["compile_applied"]
+        if "peak_mem_gib" in r:
+            figures[f"{v}_peak_mem_gib"] = round(r["peak_mem_gib"], 2)
+    figures["reference_nvidia_a100_amp_img_s"] = REFERENCE_A100_AMP_IMG_S
+    figures["target_h200_img_s"] = TARGET_H200_IMG_S
+    best = max(r["img_s"] for v, r in results.items() if v != "plain") if len(results) > 1 else 0.0
+    figures["best_over_target"] = _r(best / TARGET_H200_IMG_S)
+    ratios = {}
+    if "plain" in results:
+        for v in results:
+            if v != "plain":
+                ratios[f"{v}_over_plain"] = _r(results[v]["img_s"] / results["plain"]["img_s"])
+    if "lightray" in results and "lightray_compile" in results:
+        ratios["compile_over_eager"] = _r(results["lightray_compile"]["img_s"] / results["lightray"]["img_s"])
+    out = {"bench": "gpu_throughput", "figures": figures, "ratios": ratios,
+           "machine": machine(device, args.cpu_dry_run)}
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""A real Ray autoscaler on one host: Ray's fake multi-node provider, started and stopped by pid.
+
+``FakeCluster`` runs ``RAY_FAKE_CLUSTER=1 ray start --head --autoscaling-config=...`` with
+tests/cluster/fake-cluster.yaml on ports of its own and a temp dir of its own, with Ray token auth on
+(the token lives in a file of its own, so ``~/.ray/auth_token`` of other clusters on this host is left
+alone). Worker "machines" are launched by the autoscaler as extra raylets on this host.
+
+Other Ray clusters may be running here, so nothing in this module calls ``ray stop`` (it cannot be
+scoped to one cluster): stopping kills the processes whose command line names this cluster's temp dir,
+together with their descendants, by pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from typing import Any
+
+import yaml
+
+HERE = pathlib.Path(__file__).resolve().parent
+FAKE_CONFIG = HERE / "fake-cluster.yaml"
+PRICE_LABEL = "lightray-price-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) for every process we can read in /proc."""
+    table: dict[int, tuple[int, str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        # The parent pid is the 2nd field after the parenthesised command name, which may contain spaces.
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        table[int(entry)] = (ppid, cmd)
+    return table
+
+
+def with_descendants(roots: set[int], table: dict[int, tuple[int, str]]) -> set[int]:
+    out = set(roots)
+    grew = True
+    while grew:
+        grew = False
+        for pid, (ppid, _) in table.items():
+            if ppid in out and pid not in out:
+                out.add(pid)
+                grew = True
+    return out
+
+
+def kill_pids(pids: set[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class FakeCluster:
+    """A token-auth Ray cluster whose autoscaler launches worker "machines" on this host."""
+
+    def __init__(self, config_overrides: dict[str, Any] | None = None) -> None:
+        # Unix socket paths under the temp dir must stay short (about 107 bytes): no pytest tmp_path here.
+        self.temp_dir = tempfile.mkdtemp(prefix="lrfc", dir="/tmp")
+        self.gcs_port = free_port()
+        self.dashboard_port = free_port()
+        self.address = f"127.0.0.1:{self.gcs_port}"
+        self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
+        self.token_path = pathlib.Path(self.temp_dir) / "auth_token"
+        self.token_path.write_text(secrets.token_hex(32))
+        self.token_path.chmod(0o600)
+        cfg = yaml.safe_load(FAKE_CONFIG.read_text())
+        cfg["provider"]["gcs_address"] = self.address
+        for key, value in (config_overrides or {}).items():
+            cfg[key] = value
+        self.config = cfg
+        self.config_path = pathlib.Path(self.temp_dir) / "autoscaling.yaml"
+        self.config_path.write_text(json.dumps(cfg))
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The environment of a client of this cluster: token auth on, this cluster's token and address."""
+        env = dict(os.environ)
+        env.pop("RAY_AUTH_TOKEN", None)
+        env.update({
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(self.token_path),
+            "RAY_ADDRESS": self.address,
+            "RAY_USAGE_STATS_ENABLED": "0",
+        })
+        env.update(extra)
+        return env
+
+    def start(self) -> None:
+        cmd = [
+            "ray", "start", "--head",
+            f"--port={self.gcs_port}",
+            f"--dashboard-port={self.dashboard_port}",
+            "--dashboard-host=127.0.0.1",
+            f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--temp-dir={self.temp_dir}",
+            f"--autoscaling-config={self.config_path}",
+            "--num-cpus=0", "--num-gpus=0",
+            "--object-store-memory=200000000",
+            "--disable-usage-stats",
+        ]
+        # AUTOSCALER_UPDATE_INTERVAL_S=1: the monitor looks at demand every second instead of every 5.
+        env = self.env(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1")
+        env.pop("RAY_ADDRESS")
+        subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=180)
+
+    # ---- observation -------------------------------------------------------------------------------
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """Every node the GCS knows (alive and dead), from the dashboard's REST API (token required)."""
+        req = urllib.request.Request(
+            f"{self.dashboard_url}/nodes?view=summary",
+            headers={"Authorization": f"Bearer {self.token_path.read_text().strip()}"},
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            data = json.load(resp)
+        return [n["raylet"] for n in data["data"]["summary"]]
+
+    def alive_workers(self) -> list[dict[str, Any]]:
+        return [n for n in self.nodes() if n.get("state") == "ALIVE" and not n.get("isHeadNode")]
+
+    # ---- spot loss and shutdown -------------------------------------------------------------------
+
+    def kill_node(self, node: dict[str, Any]) -> set[int]:
+        """Kill one worker node the way a spot loss does: its raylet and every child process at once.
+
+        The fake provider gives each node's processes its node id in RAY_OVERRIDE_NODE_ID_FOR_TESTING,
+        which is how the node's raylet is told apart from the others on this host.
+        """
+        node_id = node["nodeId"]
+        table = process_table()
+        raylets = set()
+        for pid, (_, cmd) in table.items():
+            if not (cmd.split(" ")[0].endswith("/raylet") and self.temp_dir in cmd):
+                continue
+            try:
+                environ = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RAY_OVERRIDE_NODE_ID_FOR_TESTING={node_id}".encode() in environ:
+                raylets.add(pid)
+        if len(raylets) != 1:
+            raise RuntimeError(f"expected one raylet of node {node_id} under {self.temp_dir}, found {raylets}")
+        victims = with_descendants(raylets, table)
+        kill_pids(victims)
+        return victims
+
+    def own_pids(self) -> set[int]:
+        table = process_table()
+        roots = {pid for pid, (_, cmd) in table.items() if self.temp_dir in cmd and pid != os.getpid()}
+        return with_descendants(roots, table)
+
+    def stop(self) -> None:
+        # Twice: a process that forked while we walked /proc is caught the second time.
+        for _ in range(2):
+            kill_pids(self.own_pids())
+            time.sleep(0.5)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def __enter__(self) -> FakeCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

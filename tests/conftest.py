@@ -1,0 +1,34 @@
+"""Shared fixtures: one local Ray cluster per test session, and a shared shard cache so that the demo
+dataset is generated and prepared once, not once per test."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+
+
+@pytest.fixture(scope="session")
+def shared_cache(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("shared-cache")
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A local Ray cluster with more logical CPUs than cores (Train workers + Ray Data tasks)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def smoke_overrides(shared_cache) -> dict:
+    return {"data.cache_dir": str(shared_cache), "data.local_cache_dir": str(shared_cache / "local")}

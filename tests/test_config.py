@@ -1,0 +1,77 @@
+import subprocess
+import sys
+
+import pytest
+
+from app.cli import parse_overrides
+from app.config import ConfigError, load_config
+
+RUN = [sys.executable, "app/run.py"]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*RUN, *args], capture_output=True, text=True, timeout=120,
+                          cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+
+
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        (["--optim.no_such_key=1"], "optim.no_such_key"),
+        (["--nosection.key=1"], "nosection"),
+        (["--optim.lr_per_256=fast"], "optim.lr_per_256"),
+        (["--optim.lr_per_256=-1"], "optim.lr_per_256"),
+        (["--schedule.epochs=0"], "schedule.epochs"),
+        (["--model.arch=vgg"], "model.arch"),
+        (["--comm.mode=gossip"], "comm.mode"),
+        (["--workers=3:1"], "scaling.workers"),
+        (["--model.zero_init_residual=maybe"], "model.zero_init_residual"),
+        (["--config", "no-such-recipe"], "--config"),
+        (["--schedule.phases=[{until_epoch: 2, resolution: 4, batch_size: 8}]"], "schedule.phases[0].resolution"),
+    ],
+)
+def test_bad_config_exits_2_with_one_line_naming_the_key(args, key):
+    proc = run_cli(*args, "--smoke-test", "--storage", "/nonexistent-should-not-be-created")
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert key in lines[0]
+
+
+def test_error_names_the_bad_value_and_what_is_allowed():
+    with pytest.raises(ConfigError) as err:
+        load_config("demo", {"model.arch": "vgg"})
+    msg = str(err.value)
+    assert "'vgg'" in msg and "resnet18" in msg
+
+
+def test_dotted_overrides_reach_the_typed_config():
+    cfg = load_config("demo", parse_overrides(["--optim.lr_per_256=0.8", "--schedule.epochs", "3",
+                                               "--data.tiers=[32, 64]", "--model.channels_last=false"]))
+    assert cfg.optim.lr_per_256 == 0.8 and isinstance(cfg.schedule.epochs, int) and cfg.schedule.epochs == 3
+    assert cfg.data.tiers == [32, 64]
+    assert cfg.model.channels_last is False
+
+
+def test_phases_must_cover_the_epochs():
+    with pytest.raises(ConfigError, match="cover schedule.epochs"):
+        load_config("demo", {"schedule.epochs": 20})
+
+
+def test_recipe_from_a_yaml_path(tmp_path):
+    p = tmp_path / "mine.yaml"
+    p.write_text("optim: {lr_per_256: 0.2}\nschedule: {epochs: 1, phases: [{until_epoch: 1, resolution: 32, "
+                 "batch_size: 16}]}\n")
+    cfg = load_config(str(p))
+    assert cfg.optim.lr_per_256 == 0.2 and cfg.recipe == "mine"
+
+
+def test_help_documents_every_flag():
+    proc = run_cli("--help")
+    assert proc.returncode == 0
+    from app.cli import build_parser
+
+    for action in build_parser()._actions:
+        for flag in action.option_strings:
+            assert flag in proc.stdout, flag
+    assert "--SECTION.KEY=VALUE" in proc.stdout

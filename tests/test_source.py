@@ -1,0 +1,97 @@
+"""list_imagefolder on real folder trees: order, labels, and errors that name the path."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+from PIL import Image
+
+from app.data.source import DataError, list_imagefolder
+
+
+def _img(path: pathlib.Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(path, format="JPEG")
+
+
+def _tree(root: pathlib.Path, spec: dict[str, dict[str, list[str]]]) -> pathlib.Path:
+    for split, classes in spec.items():
+        for cls, files in classes.items():
+            (root / split / cls).mkdir(parents=True, exist_ok=True)
+            for f in files:
+                _img(root / split / cls / f)
+    return root
+
+
+def test_listing_is_sorted_labelled_by_train_class_and_skips_non_images(tmp_path):
+    root = _tree(tmp_path / "ds", {"train": {"b_dog": ["2.jpg", "1.JPEG"], "a_cat": ["z.png", "a.jpg"]},
+                                   "val": {"b_dog": ["v.jpg"]}})
+    (root / "train" / "a_cat" / "notes.txt").write_text("not an image")
+    (root / "train" / "a_cat" / ".hidden.jpg").write_bytes(b"")
+    (root / "README").write_text("top-level files are not samples")
+    listing = list_imagefolder(str(root))
+    assert listing.classes == ["a_cat", "b_dog"]
+    assert [e.path for e in listing.splits["train"]] == [
+        "train/a_cat/a.jpg", "train/a_cat/z.png", "train/b_dog/1.JPEG", "train/b_dog/2.jpg"]
+    assert [e.label for e in listing.splits["train"]] == [0, 0, 1, 1]
+    assert [(e.path, e.label) for e in listing.splits["val"]] == [("val/b_dog/v.jpg", 1)]  # train's index, not 0
+    entry = listing.splits["train"][0]
+    assert entry.size == (root / "train/a_cat/a.jpg").stat().st_size and entry.mtime_ns > 0
+
+
+def test_same_tree_lists_identically_and_file_uri_matches_local_path(tmp_path):
+    root = _tree(tmp_path / "ds", {"train": {"x": ["1.jpg", "2.jpg"], "y": ["3.jpg"]}})
+    a, b = list_imagefolder(str(root)), list_imagefolder(root.as_uri())
+    assert a.splits == b.splits and a.fingerprint() == b.fingerprint()
+
+
+def test_fingerprint_changes_when_a_file_changes(tmp_path):
+    root = _tree(tmp_path / "ds", {"train": {"x": ["1.jpg", "2.jpg"]}})
+    before = list_imagefolder(str(root)).fingerprint()
+    target = root / "train/x/2.jpg"
+    st = target.stat()
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert list_imagefolder(str(root)).fingerprint() != before
+
+
+def test_missing_root_error_names_the_path(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(DataError, match=str(missing)) as err:
+        list_imagefolder(str(missing))
+    assert "no such path" in str(err.value)
+
+
+def test_missing_train_split_error_names_the_path(tmp_path):
+    root = _tree(tmp_path / "ds", {"val": {"x": ["1.jpg"]}})
+    with pytest.raises(DataError, match=str(root / "train")):
+        list_imagefolder(str(root))
+
+
+def test_split_without_images_error_names_the_split(tmp_path):
+    root = _tree(tmp_path / "ds", {"train": {"x": ["1.jpg"]}})
+    (root / "val" / "x").mkdir(parents=True)
+    (root / "val" / "x" / "a.txt").write_text("no image")
+    with pytest.raises(DataError, match=f"{root / 'val'}: no images"):
+        list_imagefolder(str(root))
+
+
+def test_empty_class_folder_error_names_the_folder(tmp_path):
+    root = _tree(tmp_path / "ds", {"train": {"x": ["1.jpg"]}})
+    (root / "train" / "empty_cls").mkdir()
+    with pytest.raises(DataError, match=f"{root / 'train' / 'empty_cls'}: class folder has no images"):
+        list_imagefolder(str(root))
+
+
+def test_unknown_val_class_error_names_it(tmp_path):
+    root = _tree(tmp_path / "ds", {"train": {"x": ["1.jpg"]}, "val": {"x": ["2.jpg"], "stranger": ["3.jpg"]}})
+    with pytest.raises(DataError, match="'stranger' is not among the 1 train classes"):
+        list_imagefolder(str(root))
+
+
+def test_root_that_is_a_file_is_rejected(tmp_path):
+    f = tmp_path / "file.jpg"
+    _img(f)
+    with pytest.raises(DataError, match=f"{f}: is a file"):
+        list_imagefolder(str(f))
