@@ -46,7 +46,11 @@ class DataConfig:
     tiers: list[int] = field(default_factory=list)  # [] = derived from the schedule
     val_mode: str = "center"  # center | rect
     val_crop_ratio: float = 0.875
-    preprocess_concurrency: int = 0  # Ray Data map concurrency; 0 = autotune
+    preprocess_concurrency: int = 0  # preprocessing tasks in flight, all ranks together; 0 = autotune
+    preprocess_cpus: float = 0.0  # logical CPUs each preprocessing task reserves; 0 = autotune (else 0.25)
+    unit_rows: int = 0  # global rows per preprocessing task (before the split across ranks); 0 = autotune
+    autotune_seconds: float = 4.0  # length of the start-up calibration; 0 = off (defaults or pinned values)
+    val_batch_size: int = 256  # images per rectangular validation batch (val_mode=rect), all ranks together
     prefetch_batches: int = 2
     demo_seed: int = 0
     demo_classes: int = 10
@@ -113,11 +117,17 @@ class ScalingSection:
     workers: str = "2"  # "N" or "MIN:MAX" (elastic)
     use_gpu: str = "auto"  # auto | true | false
     cpus_per_worker: float = 0.5
-    ray_address: str = "auto"  # auto: join a running cluster, else start a local one
+    ray_address: str = "auto"  # auto: join a running cluster, else start one; local: always a new local one
     ray_num_cpus: int = 0  # logical CPUs for a local cluster; 0 = 2 x cores
-    max_failures: int = -1  # -1 = retry forever (spot)
+    max_failures: int = 10  # worker/node failures tolerated (preemptions with notice are not counted)
     resize_check_s: float = 60.0  # how often an elastic run looks for more nodes
+    worker_resources: dict[str, float] = field(default_factory=dict)  # extra per-worker resources, e.g. {GPU_node: 1}
     seed: int = 0
+    # Spot interruption watcher (app/train/spot_watcher.py): auto = on for nodes with GPUs, or on every node
+    # when spot_endpoint is changed from the AWS default; on = every node; off = none.
+    spot_watcher: str = "auto"
+    spot_endpoint: str = "http://169.254.169.254"  # instance metadata service (IMDSv2) base URL
+    spot_poll_s: float = 5.0  # AWS gives two minutes' notice; 5 s polls leave ~115 s to checkpoint
 
 
 @dataclass
@@ -136,6 +146,7 @@ class CheckpointSection:
     every_steps: int = 0  # 0 = every epoch
     every_minutes: float = 0.0
     keep: int = 3
+    stop_after_steps: int = 0  # end the run (with a checkpoint) after this many steps; --resume continues
 
 
 @dataclass
@@ -143,6 +154,8 @@ class ReportSection:
     every_steps: int = 20
     tensorboard: bool = True
     targets: list[float] = field(default_factory=lambda: [0.5, 0.8])  # top-1 targets
+    top5_targets: list[float] = field(default_factory=list)  # e.g. [0.93] for the DAWNBench target
+    log_samples: bool = False  # each rank records the sample ids of every step (audits of the epoch plan)
     mlflow: str = ""
     verbose: bool = False
     progress_every_s: float = 1.0  # console progress poll interval (ProgressPrinter every_s)
@@ -194,6 +207,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.name": ("sgd", "lars", "lamb"),
     "schedule.decay": ("linear", "cosine", "poly", "step", "none"),
     "scaling.use_gpu": ("auto", "true", "false"),
+    "scaling.spot_watcher": ("auto", "on", "off"),
     "comm.mode": ("dense", "fp16", "bf16", "topk", "hierarchical_topk", "powersgd"),
     "data.val_mode": ("center", "rect"),
 }
@@ -228,6 +242,10 @@ RANGES: dict[str, tuple[float, float]] = {
     "data.demo_train_per_class": (1, 10**6),
     "data.demo_val_per_class": (1, 10**6),
     "data.preprocess_concurrency": (0, 4096),
+    "data.preprocess_cpus": (0.0, 64),
+    "data.unit_rows": (0, 10**6),
+    "data.autotune_seconds": (0.0, 600),
+    "data.val_batch_size": (1, 10**6),
     "data.prefetch_batches": (0, 64),
     "data.limit_train": (0, 10**9),
     "data.limit_val": (0, 10**9),
@@ -238,9 +256,11 @@ RANGES: dict[str, tuple[float, float]] = {
     "scaling.ray_num_cpus": (0, 100000),
     "scaling.max_failures": (-1, 10**6),
     "scaling.resize_check_s": (0.1, 10**6),
+    "scaling.spot_poll_s": (0.05, 60.0),
     "checkpoint.every_steps": (0, 10**9),
     "checkpoint.every_minutes": (0.0, 10**6),
     "checkpoint.keep": (1, 10**6),
+    "checkpoint.stop_after_steps": (0, 10**9),
     "report.every_steps": (1, 10**9),
     "report.progress_every_s": (0.05, 3600.0),
     "cost.gpus_per_node": (0, 1024),
@@ -458,6 +478,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"schedule.warmup_epochs: bad value {cfg.schedule.warmup_epochs!r}; expected <= schedule.epochs"
         )
-    for t in cfg.report.targets:
-        if not 0.0 < t <= 1.0:
-            raise ConfigError(f"report.targets: bad value {t!r}; expected fractions in (0, 1]")
+    from app.report.cost import validate_cost
+
+    validate_cost(cfg.cost)
+    for key in ("targets", "top5_targets"):
+        for t in getattr(cfg.report, key):
+            if not 0.0 < t <= 1.0:
+                raise ConfigError(f"report.{key}: bad value {t!r}; expected fractions in (0, 1]")

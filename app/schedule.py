@@ -115,5 +115,5 @@ class Schedule:
         if not self.cfg.momentum_schedule:
             return m
         shape = self.lr_shape(self.locate(samples_seen).epoch_progress)
-        # One-cycle style: momentum swings from m down to m - 0.1 as the LR shape goes 0 -> 1.
-        return m - 0.1 * shape
+        # One-cycle style: momentum dips from m towards m - 0.1 (never below 0) as the LR shape goes 0 -> 1.
+        return max(0.0, m - 0.1 * shape)

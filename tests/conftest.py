@@ -17,16 +17,17 @@ def shared_cache(tmp_path_factory) -> pathlib.Path:
     return tmp_path_factory.mktemp("shared-cache")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def ray_local():
-    """A local Ray cluster with more logical CPUs than cores (Train workers + Ray Data tasks)."""
+    """A local Ray cluster with more logical CPUs than cores (Train workers + Ray Data tasks).
+
+    Started on first use and kept for later tests; modules that build their own multi-node cluster
+    shut it down first, and the next user starts it again."""
     import ray
 
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    return ray
 
 
 @pytest.fixture(scope="session")

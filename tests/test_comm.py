@@ -104,6 +104,7 @@ def _known_tensor_worker(rank: int, world: int, folder: str) -> None:
     out["groups"] = build_groups(topo)
     torch.save(out, os.path.join(folder, f"out{rank}.pt"))
     dist.destroy_process_group()
+    os._exit(0)  # skip interpreter teardown: ~20 s per process on a loaded 2-core machine
 
 
 def _spawn(fn, folder: pathlib.Path, world: int = WORLD) -> list[dict]:
@@ -329,7 +330,8 @@ def _ddp_worker(rank: int, world: int, folder: str) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         losses = _train(ddp, opt, x, y, 40)
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        out[mode] = {"losses": losses, "params": flat, "bytes": hook.bytes_sent, "dense_bytes": hook.dense_bytes,
+        out[mode] = {"losses": losses, "params": flat, "bytes": hook.bytes_sent, "inter": hook.bytes_inter_node,
+                     "dense_bytes": hook.dense_bytes,
                      "describe": hook.describe(), "compressed": hook.compressed_steps}
     # Resume as exact continuation: top-k + EF, one bucket (so the selection does not depend on
     # how DDP splits the buckets before and after its rebuild).
@@ -359,6 +361,7 @@ def _ddp_worker(rank: int, world: int, folder: str) -> None:
         out[f"resumed_comm_{with_comm}"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     torch.save(out, os.path.join(folder, f"out{rank}.pt"))
     dist.destroy_process_group()
+    os._exit(0)  # skip interpreter teardown: ~20 s per process on a loaded 2-core machine
 
 
 def _roundtrip(obj: dict, folder: str, rank: int) -> str:
@@ -382,11 +385,13 @@ def test_real_ddp_training_loss_falls_and_replicas_stay_equal(ddp_runs, mode):
 
 
 @pytest.mark.parametrize("mode", ["fp16", "bf16", "topk", "hierarchical_topk", "powersgd"])
-def test_real_ddp_compressed_modes_send_fewer_bytes_than_dense(ddp_runs, mode):
-    d = ddp_runs[0][mode]
+def test_real_ddp_compressed_modes_send_fewer_bytes_across_nodes_than_dense(ddp_runs, mode):
+    d, dense = ddp_runs[0][mode], ddp_runs[0]["dense"]
     assert d["compressed"] > 0
-    assert d["bytes"] < ddp_runs[0]["dense"]["bytes"], d["describe"]
-    assert d["dense_bytes"] == ddp_runs[0]["dense"]["bytes"]
+    assert d["inter"] < dense["inter"], d["describe"]
+    assert d["dense_bytes"] == dense["bytes"]
+    if mode != "hierarchical_topk":  # hierarchical adds intra-node traffic on purpose
+        assert d["bytes"] < dense["bytes"], d["describe"]
 
 
 def test_real_ddp_resume_with_residuals_continues_exactly(ddp_runs):

@@ -115,3 +115,23 @@ def test_node_seconds_for_group_counts_machines_not_workers():
 
 def test_current_price_key_without_ray_is_the_default():
     assert current_price_key("local") == "local"
+
+
+def test_cost_table_in_the_cluster_docs_matches_the_configured_prices():
+    # docs/cluster.md prices a 16 x 8-GPU run (+ 15 min of boot and idle time on every machine, + the head)
+    # with the default prices; the table must move when the prices do.
+    import pathlib
+    import re
+
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "cluster.md").read_text()
+    rows = re.findall(r"^\| (\d+) min \| (\d+) \| ([\d.]+) \| \$([\d.]+) \| \$([\d.]+) \|$", doc, flags=re.M)
+    assert len(rows) >= 2
+    cfg = CostSection(node_type="g5.48xlarge-spot", gpus_per_node=8)
+    for minutes, device_hours, node_hours, spot_usd, ondemand_usd in rows:
+        wall = (int(minutes) + 15) * 60.0
+        spot = estimate_cost(cfg, 128 * int(minutes) * 60.0, {"g5.48xlarge-spot": 16 * wall, "m6i.2xlarge": wall})
+        od = estimate_cost(cfg, 0.0, {"g5.48xlarge": 16 * wall, "m6i.2xlarge": wall})
+        assert spot["device_hours"] == pytest.approx(float(device_hours))
+        assert spot["node_hours"] == pytest.approx(float(node_hours))
+        assert round(spot["usd"], 2) == pytest.approx(float(spot_usd))
+        assert round(od["usd"], 2) == pytest.approx(float(ondemand_usd))

@@ -20,6 +20,7 @@ def smoke_run(tmp_path_factory, shared_cache):
     storage = tmp_path_factory.mktemp("storage")
     proc = subprocess.run(
         [sys.executable, "app/run.py", "--smoke-test", "--storage", str(storage), "--name", "smoke1",
+         "--scaling.ray_address=local",
          f"--data.cache_dir={shared_cache}", f"--data.local_cache_dir={shared_cache / 'local'}"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

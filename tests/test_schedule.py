@@ -139,8 +139,6 @@ def test_momentum_constant_unless_momentum_schedule():
     assert on.momentum_at(on.total_samples) == pytest.approx(0.9)  # LR decayed to 0 -> momentum back
 
 
-@pytest.mark.xfail(strict=True, reason="app/schedule.py bug: momentum_schedule gives negative momentum when "
-                   "optim.momentum < 0.1 (m - 0.1 * shape); torch SGD/LARS then step with momentum < 0")
 def test_scheduled_momentum_never_negative():
     sched = ScheduleConfig(epochs=2, warmup_epochs=0, decay="cosine", momentum_schedule=True,
                            phases=[Phase(2, 32, 50)])
@@ -151,3 +149,20 @@ def test_scheduled_momentum_never_negative():
 def test_batch_larger_than_dataset_is_a_clear_error():
     with pytest.raises(ValueError, match="global batch 2000 of epoch 0 exceeds the 1000 training samples"):
         make([Phase(2, 32, 2000)], 2)
+
+
+@pytest.mark.parametrize("recipe,arch,resolutions", [
+    ("imagenet-rn50-dawnbench", "resnet50", [128, 224, 288]),
+    ("imagenet-rn18-16ep", "resnet18", [160, 192]),
+])
+def test_imagenet_recipes_load_and_scale_lr_with_each_phase_batch(recipe, arch, resolutions):
+    from app.config import load_config
+
+    cfg = load_config(recipe)
+    assert cfg.model.arch == arch
+    assert [p.resolution for p in cfg.schedule.phases] == resolutions
+    s = Schedule(cfg.schedule, cfg.optim, 1_281_167)  # ImageNet-1k train images
+    for e in range(cfg.schedule.epochs):
+        b = s.phase_for_epoch(e).batch_size
+        start = s.epoch_start(e)
+        assert s.lr_at(start) == pytest.approx(cfg.optim.lr_per_256 * b / 256 * s.lr_shape(float(e)))

@@ -1,4 +1,5 @@
-"""uint8 image ops run in Ray Data tasks: random-resized-crop + flip for training, centre crop for eval.
+"""uint8 image ops run in Ray Data tasks: random-resized-crop + flip for training, centre crop or
+rectangular (aspect-keeping) resize for evaluation.
 
 Random draws come from ``(seed, epoch, sample_id)``, so a sample gets the same crop whichever process,
 node or worker count serves it: a resumed run sees exactly the pixels the uninterrupted one would have.
@@ -63,6 +64,23 @@ def center_crop(img: Image.Image, size: int, crop_ratio: float) -> np.ndarray:
     cw, ch = size / scale, size / scale
     x, y = (img.width - cw) / 2, (img.height - ch) / 2
     return np.asarray(img.resize((size, size), Image.BILINEAR, box=(x, y, x + cw, y + ch)))
+
+
+def rect_target(aspect: float, size: int) -> tuple[int, int]:
+    """(width, height) of a rectangular validation batch whose images have mean aspect ``aspect`` (w/h):
+    short side ``size``, long side scaled by the aspect with the excess over ``size`` rounded to a
+    multiple of 8 (fast.ai's rectangular validation; the shape set stays small), never below ``size``."""
+    long = size + max(0, int(round((size * (aspect if aspect >= 1 else 1 / aspect) - size) / 8)) * 8)
+    return (long, size) if aspect >= 1 else (size, long)
+
+
+def rect_crop(img: Image.Image, width: int, height: int) -> np.ndarray:
+    """Scale uniformly (aspect kept) until the image covers ``width`` x ``height``, then take the centre:
+    only the excess along the long side is cut, unlike the square centre crop."""
+    scale = max(width / img.width, height / img.height)
+    cw, ch = width / scale, height / scale
+    x, y = (img.width - cw) / 2, (img.height - ch) / 2
+    return np.asarray(img.resize((width, height), Image.BILINEAR, box=(x, y, x + cw, y + ch)))
 
 
 def sample_rng(seed: int, epoch: int, sample_id: int) -> np.random.Generator:

@@ -1,9 +1,15 @@
-"""Node-local level of the shard cache: shards on shared storage are copied once per node and kept.
+"""The read side of the multi-level shard cache: shared storage -> node-local disk -> object store.
 
-Shared storage (the run's storage or s3://) holds the shards; a Ray Data task that needs one copies it
-to ``local_dir`` (the instance's NVMe on a cluster) the first time, checks its sha256 and renames it
-into place atomically, so concurrent tasks on one node never read a half-copied file. Each process
-also keeps the last few decoded Parquet tables, since consecutive plan positions hit the same shard.
+Level 1, shared storage (the run's storage or s3://): the shards prepare wrote.
+Level 2, node-local disk (``local_dir``, the instance's NVMe on a cluster): a task that needs a shard
+copies it there the first time, checks its sha256 and renames it into place atomically, so concurrent
+tasks on one node never read a half-copied file; later epochs and later runs on that node read the copy.
+Level 3, the Ray object store: a tier whose *decoded* pixels fit ``data.memory_budget_mb`` is decoded
+once at start (one task per shard, :func:`materialize`) into a :class:`DecodedShard` whose arrays live
+in shared memory; map tasks ``ray.get`` it (zero-copy on the node that holds it) and skip both the
+Parquet read and the JPEG decode for the rest of the run.
+
+Each process keeps the last few opened shards, since consecutive plan positions hit the same shard.
 """
 
 from __future__ import annotations
@@ -13,15 +19,23 @@ import logging
 import os
 import pathlib
 from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+from PIL import Image
+
+from app.data import augment
 
 log = logging.getLogger(__name__)
-_TABLES: OrderedDict[str, pa.Table] = OrderedDict()
-_MAX_TABLES = 6
-STATS = {"copied": 0, "local_hits": 0, "memory_hits": 0}
+_MAX_OPEN = 16
+_OPEN: OrderedDict[str, Any] = OrderedDict()
+# Per-process counters (the map tasks' levels; tests read them in-process).
+STATS = {"copied": 0, "local_hits": 0, "memory_hits": 0, "parquet_reads": 0, "object_store_reads": 0}
+COLUMNS = ["image", "label", "sample_id", "height", "width"]
 
 
 def default_local_dir() -> str:
@@ -40,6 +54,12 @@ def _is_local(uri: str) -> bool:
     return "://" not in uri or uri.startswith("file://")
 
 
+def _fs_path(uri: str) -> tuple[pafs.FileSystem, str]:
+    if _is_local(uri):
+        return pafs.LocalFileSystem(), str(pathlib.Path(uri.removeprefix("file://")).resolve())
+    return pafs.FileSystem.from_uri(uri)
+
+
 def local_copy(uri: str, sha256: str, local_dir: str) -> str:
     """Path of a verified node-local copy of shard ``uri`` (content-addressed by its sha256)."""
     target = pathlib.Path(local_dir) / sha256[:2] / f"{sha256}.parquet"
@@ -48,11 +68,14 @@ def local_copy(uri: str, sha256: str, local_dir: str) -> str:
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(f".tmp{os.getpid()}")
-    fs, path = pafs.FileSystem.from_uri(uri if not _is_local(uri) else pathlib.Path(uri.removeprefix("file://"))
-                                        .resolve().as_uri())
-    with fs.open_input_stream(path) as src, open(tmp, "wb") as dst:
-        while chunk := src.read(1 << 22):
-            dst.write(chunk)
+    fs, path = _fs_path(uri)
+    try:
+        with fs.open_input_stream(path) as src, open(tmp, "wb") as dst:
+            while chunk := src.read(1 << 22):
+                dst.write(chunk)
+    except FileNotFoundError:
+        tmp.unlink(missing_ok=True)
+        raise FileNotFoundError(f"shard {uri}: not found on shared storage; rerun prepare to rebuild it") from None
     got = sha256_file(str(tmp))
     if got != sha256:
         tmp.unlink(missing_ok=True)
@@ -64,15 +87,142 @@ def local_copy(uri: str, sha256: str, local_dir: str) -> str:
 
 
 def open_table(uri: str, sha256: str, local_dir: str, columns: list[str] | None = None) -> pa.Table:
-    key = f"{sha256}:{','.join(columns or [])}"
-    table = _TABLES.get(key)
-    if table is not None:
-        _TABLES.move_to_end(key)
-        STATS["memory_hits"] += 1
-        return table
+    """The shard's table, read (memory-mapped) from the node-local copy."""
     path = local_copy(uri, sha256, local_dir)
-    table = pq.read_table(path, columns=columns, memory_map=True)
-    _TABLES[key] = table
-    if len(_TABLES) > _MAX_TABLES:
-        _TABLES.popitem(last=False)
-    return table
+    return pq.read_table(path, columns=columns, memory_map=True)
+
+
+def read_columns(uri: str, columns: list[str]) -> pa.Table:
+    """A few small columns straight from shared storage (no local copy): Parquet reads only those."""
+    fs, path = _fs_path(uri)
+    return pq.read_table(path, columns=columns, filesystem=fs)
+
+
+class ShardView:
+    """Row access to one shard at one tier: labels, ids, sizes and each row's image as a PIL image."""
+
+    labels: np.ndarray
+    ids: np.ndarray
+    heights: np.ndarray
+    widths: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def image(self, row: int) -> Image.Image:
+        raise NotImplementedError
+
+    def pixels(self, row: int) -> np.ndarray:
+        return np.asarray(self.image(row))
+
+
+class ParquetShard(ShardView):
+    """A shard read from its node-local Parquet copy: image bytes are sliced zero-copy from the column."""
+
+    def __init__(self, table: pa.Table, fmt: str):
+        self.fmt = fmt
+        self.labels = table.column("label").to_numpy().astype(np.int64)
+        self.ids = table.column("sample_id").to_numpy().astype(np.int64)
+        self.heights = table.column("height").to_numpy().astype(np.int64)
+        self.widths = table.column("width").to_numpy().astype(np.int64)
+        arr = table.column("image").combine_chunks()
+        off_type = np.int64 if pa.types.is_large_binary(arr.type) else np.int32
+        self._offsets = np.frombuffer(arr.buffers()[1], dtype=off_type)[arr.offset:arr.offset + len(arr) + 1]
+        self._data = memoryview(arr.buffers()[2]) if arr.buffers()[2] is not None else memoryview(b"")
+        self._keep = arr  # the buffers above belong to it
+
+    def image(self, row: int) -> Image.Image:
+        data = self._data[int(self._offsets[row]):int(self._offsets[row + 1])]
+        return augment.decode(data if self.fmt == "raw" else bytes(data), self.fmt,
+                              int(self.heights[row]), int(self.widths[row]))
+
+
+@dataclass
+class DecodedShard(ShardView):
+    """A shard's decoded pixels, all rows in one flat uint8 buffer: what the object-store level holds."""
+
+    pixels_flat: np.ndarray  # uint8, every row's HWC pixels back to back
+    offsets: np.ndarray  # int64, len(rows) + 1
+    heights: np.ndarray
+    widths: np.ndarray
+    labels: np.ndarray
+    ids: np.ndarray
+
+    def pixels(self, row: int) -> np.ndarray:
+        a, b = int(self.offsets[row]), int(self.offsets[row + 1])
+        return self.pixels_flat[a:b].reshape(int(self.heights[row]), int(self.widths[row]), 3)
+
+    def image(self, row: int) -> Image.Image:
+        return Image.fromarray(self.pixels(row))
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.pixels_flat.nbytes)
+
+
+def parquet_shard(uri: str, sha256: str, fmt: str, local_dir: str) -> ParquetShard:
+    key = f"pq:{sha256}"
+    view = _OPEN.get(key)
+    if view is not None:
+        _OPEN.move_to_end(key)
+        STATS["memory_hits"] += 1
+        return view
+    view = ParquetShard(open_table(uri, sha256, local_dir, COLUMNS), fmt)
+    STATS["parquet_reads"] += 1
+    _remember(key, view)
+    return view
+
+
+def object_store_shard(ref: Any) -> DecodedShard:
+    import ray
+
+    key = f"ref:{ref.hex()}"
+    view = _OPEN.get(key)
+    if view is not None:
+        _OPEN.move_to_end(key)
+        return view
+    view = ray.get(ref)  # zero-copy: the arrays point into the node's shared-memory object store
+    STATS["object_store_reads"] += 1
+    _remember(key, view)
+    return view
+
+
+def _remember(key: str, view: Any) -> None:
+    _OPEN[key] = view
+    if len(_OPEN) > _MAX_OPEN:
+        _OPEN.popitem(last=False)
+
+
+def decode_shard(uri: str, sha256: str, fmt: str, local_dir: str) -> DecodedShard:
+    """Every row of a shard decoded to uint8 HWC, in row order (same pixels the Parquet path yields)."""
+    view = ParquetShard(open_table(uri, sha256, local_dir, COLUMNS), fmt)
+    parts = [np.ascontiguousarray(view.pixels(r)).reshape(-1) for r in range(len(view))]
+    sizes = np.array([0] + [p.size for p in parts], dtype=np.int64)
+    flat = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+    return DecodedShard(flat, np.cumsum(sizes), view.heights, view.widths, view.labels, view.ids)
+
+
+def decoded_bytes(uris: list[str]) -> int:
+    """Exact size of a tier's decoded pixels, from the shards' height/width columns (read remotely)."""
+    total = 0
+    for uri in uris:
+        t = read_columns(uri, ["height", "width"])
+        total += int((t.column("height").to_numpy().astype(np.int64) * t.column("width").to_numpy() * 3).sum())
+    return total
+
+
+def materialize(uris: list[str], sha256s: list[str], fmt: str, local_dir: str, num_cpus: float = 0.5) -> list:
+    """Decode every shard of a tier into the object store, one task per shard; returns the refs in shard
+    order once all are ready (a bad shard fails here, at start, not in the middle of an epoch). The refs
+    are owned by the caller (the run's driver): they live as long as it holds them."""
+    import ray
+
+    task = ray.remote(num_cpus=num_cpus, max_retries=2, num_returns=2)(_decode_task)
+    pairs = [task.remote(u, s, fmt, local_dir) for u, s in zip(uris, sha256s)]
+    ray.get([size for _, size in pairs])  # surfaces errors now without pulling the pixels to the driver
+    return [ref for ref, _ in pairs]
+
+
+def _decode_task(uri: str, sha256: str, fmt: str, local_dir: str) -> tuple[DecodedShard, int]:
+    shard = decode_shard(uri, sha256, fmt, local_dir)
+    return shard, shard.nbytes

@@ -44,11 +44,12 @@ def hardware(use_gpu: bool) -> dict[str, Any]:
             if ray.is_initialized() else 1, "used_gpu": use_gpu, "platform": platform.platform()}
 
 
-def time_to_targets(records: list[dict[str, Any]], targets: list[float]) -> dict[str, float | None]:
-    """Training seconds (accumulated across restarts) until val top-1 first reached each target."""
+def time_to_targets(records: list[dict[str, Any]], targets: list[float], key: str = "val_top1"
+                    ) -> dict[str, float | None]:
+    """Training seconds (accumulated across restarts) until ``key`` first reached each target."""
     out: dict[str, float | None] = {}
     for t in targets:
-        hit = next((r for r in records if "val_top1" in r and r["val_top1"] >= t), None)
+        hit = next((r for r in records if key in r and r[key] >= t), None)
         out[f"{t:g}"] = None if hit is None else float(hit.get("elapsed_s", 0.0))
     return out
 
@@ -61,8 +62,8 @@ def lost_work(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if r.get("event") == "restart":
             if last_seen is not None:
                 out.append({"lost_samples": max(0, last_seen["samples_seen"] - r.get("samples_seen", 0)),
-                            "lost_seconds": max(0.0, last_seen.get("time", 0) - r.get("ckpt_time", last_seen.get(
-                                "time", 0))) if r.get("ckpt_time") else None,
+                            "lost_seconds": max(0.0, last_seen["time"] - r["ckpt_time"]) if r.get("ckpt_time")
+                            else None,
                             "restart_overhead_s": max(0.0, r["time"] - last_seen.get("time", r["time"])),
                             "resumed_at": r.get("samples_seen", 0)})
         elif "event" not in r and "samples_seen" in r:
@@ -71,7 +72,8 @@ def lost_work(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def write_summary(cfg: Config, run_dir: str, local_run_dir: str, records: list[dict[str, Any]], t0: float,
-                  t1: float, sched, *, use_gpu: bool, error: BaseException | None = None) -> dict[str, Any]:
+                  t1: float, sched, *, use_gpu: bool, error: BaseException | None = None,
+                  spot: dict | None = None) -> dict[str, Any]:
     from app.report.cost import estimate_cost
 
     train = [r for r in records if "event" not in r]
@@ -98,10 +100,12 @@ def write_summary(cfg: Config, run_dir: str, local_run_dir: str, records: list[d
         "best_top5": max((v["val_top5"] for v in vals), default=None),
         "train_images_per_s": sum(speeds) / len(speeds) if speeds else None,
         "time_to_target_s": time_to_targets(vals, cfg.report.targets),
+        "time_to_top5_target_s": time_to_targets(vals, cfg.report.top5_targets, "val_top5"),
         "restarts": sum(1 for e in events if e["event"] == "restart"),
         "resizes": sum(1 for e in events if e["event"] == "resize"),
         "preemption_checkpoints": sum(1 for e in events if e["event"] == "preemption_checkpoint"),
         "lost_work": lost_work(records),
+        "spot_watchers": spot or {},
         "comm_mode": cfg.comm.mode,
         "comm_bytes_per_worker": int(last.get("comm_bytes", 0)),
         "device_seconds": device_seconds,

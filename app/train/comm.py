@@ -536,4 +536,10 @@ def _powersgd(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future:
     hook.bytes_sent += sent
     if hook.topology.num_nodes > 1:
         hook.bytes_inter_node += sent
-    return psgd.powerSGD_hook(st, bucket)
+    fut = psgd.powerSGD_hook(st, bucket)
+    if dist.get_backend() == "gloo":
+        # The hook issues its second and third all-reduce from future callbacks; with several buckets in
+        # flight gloo ranks can then issue them in different orders (seen: "collective mismatch" aborts
+        # with 4 CPU workers). Finishing each bucket before DDP hands over the next keeps the order.
+        return _done(fut.wait())
+    return fut

@@ -31,7 +31,8 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 def unit_log(unit: str, message: str, **fields: Any) -> None:
     """Record what a speed-up unit did: one log line plus an event for ``metrics.jsonl``."""
     log.info("[%s] %s", unit, message)
-    _UNIT_EVENTS.append({"unit": unit, "message": message, **fields})
+    if len(_UNIT_EVENTS) < 1000:  # units speak at setup; the cap only guards a process nobody drains
+        _UNIT_EVENTS.append({"unit": unit, "message": message, **fields})
 
 
 def pop_unit_events() -> list[dict[str, Any]]:

@@ -1,4 +1,9 @@
-"""Validation: top-1 / top-5 over the whole validation split, summed exactly across ranks."""
+"""Validation: top-1 / top-5 over the whole validation split, summed exactly across ranks.
+
+The stream's blocks are taken as they come (``batch_size=None``) and cut into chunks of at most
+``batch_size``: with rectangular validation each block holds one shape, and re-batching across blocks
+would mix shapes.
+"""
 
 from __future__ import annotations
 
@@ -19,23 +24,28 @@ def evaluate(model: nn.Module, shard, device: torch.device, precision: str, cfg:
     model.eval()
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # n, top1, top5, loss sum
-    for batch in shard.iter_batches(batch_size=batch_size, batch_format="numpy", prefetch_batches=prefetch_batches):
-        if len(batch["label"]) == 0:
-            continue
-        x = dev.images_to_device(torch.from_numpy(batch["image"]), device, cfg.model.channels_last)
-        y = torch.from_numpy(batch["label"]).to(device)
-        with dev.autocast(precision, device):
-            logits = model(x).float()
-            if cfg.schedule.tta_flip:
-                logits = (logits + model(torch.flip(x, dims=[3])).float()) / 2
-        k = min(5, logits.shape[1])
-        top = logits.topk(k, dim=1).indices
-        hit = top.eq(y.view(-1, 1))
-        totals += torch.tensor([len(y), hit[:, :1].sum().item(), hit.any(dim=1).sum().item(),
-                                loss_fn(logits, y).item()], dtype=torch.float64, device=device)
+    for block in shard.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=prefetch_batches):
+        for lo in range(0, len(block["label"]), batch_size):
+            totals += _score(model, block["image"][lo:lo + batch_size], block["label"][lo:lo + batch_size],
+                             device, precision, cfg, loss_fn)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(totals)
     model.train(was_training)
     n = max(1.0, totals[0].item())
     return {"val_top1": totals[1].item() / n, "val_top5": totals[2].item() / n, "val_loss": totals[3].item() / n,
             "val_samples": int(totals[0].item())}
+
+
+def _score(model: nn.Module, images, labels, device: torch.device, precision: str, cfg: Config,
+           loss_fn: nn.Module) -> torch.Tensor:
+    """[n, top-1 hits, top-5 hits, loss sum] of one uint8 NHWC batch."""
+    x = dev.images_to_device(torch.from_numpy(images), device, cfg.model.channels_last)
+    y = torch.from_numpy(labels).to(device)
+    with dev.autocast(precision, device):
+        logits = model(x).float()
+        if cfg.schedule.tta_flip:
+            logits = (logits + model(torch.flip(x, dims=[3])).float()) / 2
+    k = min(5, logits.shape[1])
+    hit = logits.topk(k, dim=1).indices.eq(y.view(-1, 1))
+    return torch.tensor([len(y), hit[:, :1].sum().item(), hit.any(dim=1).sum().item(), loss_fn(logits, y).item()],
+                        dtype=torch.float64, device=device)

@@ -19,7 +19,15 @@ import ray
 import yaml
 
 from app.config import Config
-from app.data.ingest import IngestSpec, PhaseSpec, TierShards, make_units_dataset, phase_units, val_units
+from app.data.ingest import (
+    IngestSpec,
+    PhaseSpec,
+    TierShards,
+    finalize_spec,
+    make_units_dataset,
+    phase_units,
+    val_dataset,
+)
 from app.schedule import Schedule
 from app.train import state as st
 
@@ -58,6 +66,9 @@ def connect_ray(cfg: Config, verbose: bool = False) -> None:
     except ImportError:
         pass
     address = cfg.scaling.ray_address
+    if address == "local":  # always a fresh local cluster (tests, isolated runs)
+        ray.init(address="local", num_cpus=cfg.scaling.ray_num_cpus or 2 * (os.cpu_count() or 1), **kwargs)
+        return
     if address == "auto" and not os.environ.get("RAY_ADDRESS"):
         try:
             ray.init(address="auto", **{k: v for k, v in kwargs.items() if k != "include_dashboard"})
@@ -65,7 +76,7 @@ def connect_ray(cfg: Config, verbose: bool = False) -> None:
         except (ConnectionError, RuntimeError, ValueError):
             pass
         ncpu = cfg.scaling.ray_num_cpus or 2 * (os.cpu_count() or 1)
-        ray.init(num_cpus=ncpu, **kwargs)
+        ray.init(address="local", num_cpus=ncpu, **kwargs)
     else:
         ray.init(address=None if address == "auto" else address,
                  **{k: v for k, v in kwargs.items() if k != "include_dashboard"})
@@ -94,10 +105,14 @@ def build_ingest_spec(cfg: Config, manifest) -> tuple[IngestSpec, Schedule]:
         first = end
     spec = IngestSpec(seed=cfg.scaling.seed, local_dir=cfg.data.local_cache_dir or "/tmp/lightray-cache",
                       train_size=train_size, phases=phases,
-                      val=_tier(manifest, "val", round(eval_resolution(cfg) / cfg.data.val_crop_ratio)),
+                      val=_tier(manifest, "val", round(eval_resolution(cfg) / cfg.data.val_crop_ratio)
+                                if cfg.data.val_mode == "center" else eval_resolution(cfg)),  # rect: no crop margin
                       eval_resolution=eval_resolution(cfg), val_crop_ratio=cfg.data.val_crop_ratio,
                       map_concurrency=cfg.data.preprocess_concurrency or None,
                       prefetch_batches=cfg.data.prefetch_batches)
+    # --- data (issue 3b): rect val plan, object-store level, preprocessing autotune; needs Ray up ---
+    finalize_spec(spec, cfg.data, cfg.worker_range()[1] * cfg.scaling.cpus_per_worker)
+    # --- end data ---
     return spec, sched
 
 
@@ -110,7 +125,7 @@ def _train_dataset(run_dir: str, spec: IngestSpec, sched: Schedule, phase: int):
 
 
 def _val_dataset(spec: IngestSpec):
-    return make_units_dataset(val_units(spec)) if spec.val.rows else make_units_dataset([])
+    return val_dataset(spec)
 
 
 def _limit_data_resources(train_cpus: float) -> None:
@@ -124,7 +139,10 @@ def _limit_data_resources(train_cpus: float) -> None:
 
 
 def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, verbose: bool = False,
-                 stream=None) -> dict[str, Any]:
+                 stream=None, callbacks: list | None = None) -> dict[str, Any]:
+    """Run (or with ``resume``, continue) one training run; returns the summary written to summary.json.
+
+    ``callbacks`` are Ray Train ``UserCallback``s (the tuner passes ``TuneReportCallback``)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -148,6 +166,9 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
     spec, sched = build_ingest_spec(cfg, manifest)
     st.write_bytes(st.join(run_dir, "config.yaml"), yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode())
     st.write_bytes(st.join(run_dir, "classes.json"), json.dumps(list(manifest.classes)).encode())
+    st.write_bytes(st.join(run_dir, "data.json"), json.dumps(
+        {"manifest": str(manifest.location), "train_samples": spec.train_size, "val_samples": sum(spec.val.rows),
+         "phase_tiers": [p.shards.tier for p in spec.phases], "val_tier": spec.val.tier}).encode())
 
     lo, hi = cfg.worker_range()
     use_gpu = cfg.scaling.use_gpu == "true" or (
@@ -163,11 +184,14 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
         train_loop_config={"cfg": cfg.to_dict(), "spec": spec, "run_dir": run_dir,
                            "num_classes": len(manifest.classes)},
         scaling_config=ScalingConfig(num_workers=(lo, hi) if lo < hi else hi, use_gpu=use_gpu,
-                                     resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
+                                     resources_per_worker={"CPU": cfg.scaling.cpus_per_worker,
+                                                           **cfg.scaling.worker_resources},
                                      elastic_resize_monitor_interval_s=cfg.scaling.resize_check_s),
         run_config=RunConfig(name=cfg.name, storage_path=cfg.storage,
-                             failure_config=FailureConfig(max_failures=cfg.scaling.max_failures),
-                             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep)),
+                             failure_config=FailureConfig(max_failures=cfg.scaling.max_failures,
+                                                          max_preemption_failures=-1),
+                             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+                             callbacks=callbacks or None),
         datasets=datasets,
         dataset_config=PlanDataConfig(spec),
     )
@@ -175,18 +199,27 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
     if progress:
         from app.report.progress import ProgressPrinter
 
-        printer = ProgressPrinter(local_run_dir, stream=stream).start()
+        printer = ProgressPrinter(local_run_dir, stream=stream, every_s=cfg.report.progress_every_s).start()
+    from app.train.spot_watcher import WatcherKeeper, watcher_statuses
+
+    # One spot-notice watcher per (GPU) node, kept up to date as spot replacements join.
+    keeper = WatcherKeeper(cfg.scaling, cfg.name, every_s=cfg.scaling.resize_check_s).start()
     error = None
+    spot: list[dict] = []
     try:
         trainer.fit()
     except Exception as exc:  # summary.json is written for failed runs too
         error = exc
     finally:
+        spot = watcher_statuses(keeper.handles)
+        keeper.stop()
         ray.get(runlog.flush.remote())
         if printer is not None:
             printer.stop()
     summary = write_summary(cfg, run_dir, local_run_dir, read_metrics(local_run_dir), t0, time.time(), sched,
-                            use_gpu=use_gpu, error=error)
+                            use_gpu=use_gpu, error=error,
+                            spot={"watched_nodes": len(spot), "notices": sum(s.get("notices", 0) > 0 for s in spot),
+                                  "drained": sum(bool(s.get("drained")) for s in spot)})
     if error is not None:
         raise error
     return summary

@@ -83,6 +83,7 @@ class ResumePoint:
     samples_seen: int
     world_size: int  # of the run that wrote it (0 for a fresh start)
     skipped: list[str]  # newer folders that failed validation
+    time: float | None = None  # when the checkpoint was written
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -123,14 +124,14 @@ def list_checkpoints(run_dir: str) -> list[tuple[int, str]]:
 def select_resume(run_dir: str) -> ResumePoint:
     """The newest valid checkpoint of the run (or a fresh start), skipping invalid ones with a warning."""
     skipped = []
-    for samples, folder in list_checkpoints(run_dir):
+    for _samples, folder in list_checkpoints(run_dir):
         try:
             meta = validate_checkpoint(folder)
         except ValueError as exc:
             log.warning("skipping checkpoint: %s", exc)
             skipped.append(str(exc))
             continue
-        return ResumePoint(folder, int(meta["samples_seen"]), int(meta["world_size"]), skipped)
+        return ResumePoint(folder, int(meta["samples_seen"]), int(meta["world_size"]), skipped, meta.get("time"))
     return ResumePoint(None, 0, 0, skipped)
 
 

@@ -8,7 +8,9 @@ decides the next step (LR, resolution, batch) is computed from ``samples_seen``.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import tempfile
 import time
 from typing import Any
@@ -17,7 +19,6 @@ import numpy as np
 import ray.train
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from app.config import Config, config_from_dict
@@ -32,10 +33,14 @@ from app.train.ema import ModelEMA
 from app.train.evaluate import evaluate
 from app.train.fusion import choose_bucket_mb
 from app.train.model import build_model, to_device
-from app.train.optim import build_optimizer, set_lr_momentum
+from app.train.optim import build_loss, build_optimizer, clip_gradients, set_lr_momentum
 from app.train.topology import topology_from_ray
 
 log = logging.getLogger("lightray.worker")
+
+
+class PreemptedError(RuntimeError):
+    """Raised after the preemption checkpoint so that Ray Train restarts the group off the draining node."""
 
 
 class _Reporter:
@@ -89,7 +94,7 @@ def train_loop_per_worker(config: dict) -> None:
     optimizer = build_optimizer(model, cfg.optim, device)
     scaler = dev.make_grad_scaler(precision, device)
     ema = ModelEMA(model, cfg.optim.ema_decay) if cfg.optim.ema_decay > 0 else None
-    loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
+    loss_fn = build_loss(cfg.optim)
     sched = Schedule(cfg.schedule, cfg.optim, spec.train_size)
 
     # --- resume --------------------------------------------------------------------------------
@@ -100,7 +105,7 @@ def train_loop_per_worker(config: dict) -> None:
         s0 = st.load_rank_state(resume.checkpoint, 0, device)
         model.load_state_dict(s0["model"])
         optimizer.load_state_dict(s0["optimizer"])
-        if scaler is not None and s0.get("scaler"):
+        if s0.get("scaler"):
             scaler.load_state_dict(s0["scaler"])
         if ema is not None and s0.get("ema"):
             ema.load_state_dict(s0["ema"])
@@ -121,10 +126,16 @@ def train_loop_per_worker(config: dict) -> None:
     counters["world_size"] = world
     report({"event": "start" if counters["starts"] == 1 else "restart", "samples_seen": counters["samples_seen"],
             "world_size": world, "checkpoint": resume.checkpoint, "skipped_checkpoints": resume.skipped,
-            "total_samples": sched.total_samples})
+            "total_samples": sched.total_samples, "ckpt_time": resume.time})
     for ev in dev.pop_unit_events() + [{"unit": "fusion", "message": f"DDP bucket {bucket_mb:.2f} MB",
-                                         "evidence": evidence}, {"unit": "comm", "message": comm.describe()}]:
+                                         "evidence": evidence}, {"unit": "comm", "message": comm.describe()}] + \
+            list(spec.events):  # data: which cache level serves each phase, preprocessing autotune, rect val
         report({"event": "unit", **ev})
+
+    sample_log = None
+    if cfg.report.log_samples and "://" not in run_dir:
+        os.makedirs(os.path.join(run_dir, "sample_log"), exist_ok=True)
+        sample_log = open(os.path.join(run_dir, "sample_log", f"start{counters['starts']}_rank{rank}.jsonl"), "a")
 
     # --- state capture ---------------------------------------------------------------------------
     def save(reason: str, metrics: dict) -> None:
@@ -132,11 +143,11 @@ def train_loop_per_worker(config: dict) -> None:
         counters["train_seconds"] += time.time() - clock[0]
         clock[0] = time.time()
         with tempfile.TemporaryDirectory() as tmp:
-            meta = {"samples_seen": counters["samples_seen"], "world_size": world, "reason": reason}
+            meta = {"samples_seen": counters["samples_seen"], "world_size": world, "reason": reason,
+                    "time": time.time(), "step": counters["step"]}
             state = {"comm": comm.state_dict(), "rng": _rng_state()}
             if rank == 0:
-                state.update(model=model.state_dict(), optimizer=optimizer.state_dict(),
-                             scaler=scaler.state_dict() if scaler is not None else None,
+                state.update(model=model.state_dict(), optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
                              ema=ema.state_dict() if ema is not None else None, counters=dict(counters),
                              config=cfg.to_dict())
             st.save_rank_state(tmp, rank, state, meta)
@@ -144,8 +155,14 @@ def train_loop_per_worker(config: dict) -> None:
                              checkpoint_dir_name=st.checkpoint_name(counters["samples_seen"]))
 
     clock = [time.time()]
+    notice_seen: list = [None]  # one preemption checkpoint per notice, not one per report interval
     last_ckpt_time = time.time()
+    stop_at = cfg.checkpoint.stop_after_steps
+    stopped = False
     every = cfg.report.every_steps
+    if counters["samples_seen"] >= sched.total_samples:  # resumed a run that had already finished
+        report({"event": "end", "samples_seen": counters["samples_seen"], "wall_s": 0.0})
+        return
     pos = sched.locate(counters["samples_seen"])
     window = {"t": time.time(), "wait": 0.0, "n": 0, "loss": 0.0, "steps": 0}
     metrics: dict[str, Any] = {}
@@ -179,19 +196,18 @@ def train_loop_per_worker(config: dict) -> None:
                 with dev.autocast(precision, device):
                     loss = loss_fn(forward(x), y)
                 optimizer.zero_grad(set_to_none=True)
-                if scaler is not None:
-                    scaler.scale(loss * loss_scale).backward()
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    (loss * loss_scale).backward()
-                    if cfg.optim.grad_clip > 0:
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-                    optimizer.step()
+                scaler.scale(loss * loss_scale).backward()  # the scaler is a pass-through unless fp16
+                clip_gradients(model, optimizer, cfg.optim, scaler)
+                scaler.step(optimizer)
+                scaler.update()
                 if ema is not None:
                     ema.update(model)
                 counters["samples_seen"] += phase.batch_size
                 counters["step"] += 1
+                if sample_log is not None:
+                    sample_log.write(json.dumps({"samples_seen": counters["samples_seen"], "epoch": epoch,
+                                                 "ids": batch["sample_id"].tolist()}) + "\n")
+                    sample_log.flush()
                 window["n"] += phase.batch_size
                 window["steps"] += 1
                 window["loss"] += float(loss.detach())
@@ -212,18 +228,29 @@ def train_loop_per_worker(config: dict) -> None:
                     report(metrics)
                     window = {"t": time.time(), "wait": 0.0, "n": 0, "loss": 0.0, "steps": 0}
                     # A drained node (spot notice) is known to every rank at once: all save the same step.
-                    if ray.train.get_preemption_info() is not None:
+                    notice = ray.train.get_preemption_info()
+                    if notice is not None and notice_seen[0] is None:
+                        notice_seen[0] = notice
                         counters["preemption_checkpoints"] += 1
-                        report({"event": "preemption_checkpoint", "samples_seen": counters["samples_seen"]})
+                        report({"event": "preemption_checkpoint", "samples_seen": counters["samples_seen"],
+                                "notice": str(notice)})
                         save("preemption", dict(metrics))
-                        last_ckpt_time = time.time()
-                        continue
+                        # Leave now rather than train on until the deadline: steps after this checkpoint
+                        # would be rolled back anyway, and the new worker group avoids the draining node.
+                        raise PreemptedError(f"node preemption notice {notice}; checkpoint written at "
+                                             f"samples_seen={counters['samples_seen']}, restarting")
                 last_in_epoch = step == sched.steps_in_epoch(epoch) - 1
                 by_steps = cfg.checkpoint.every_steps and counters["step"] % cfg.checkpoint.every_steps == 0
-                by_time = cfg.checkpoint.every_minutes and time.time() - last_ckpt_time > 60 * cfg.checkpoint.every_minutes
-                if (by_steps or by_time) and not last_in_epoch:
+                by_time = (cfg.checkpoint.every_minutes
+                           and time.time() - last_ckpt_time > 60 * cfg.checkpoint.every_minutes)
+                stopped = bool(stop_at and counters["step"] == stop_at)
+                if (by_steps or by_time or stopped) and not last_in_epoch:
                     save("interval", dict(metrics, samples_seen=counters["samples_seen"], step=counters["step"]))
                     last_ckpt_time = time.time()
+                if stopped:
+                    break
+            if stopped and step != sched.steps_in_epoch(epoch) - 1:
+                break  # stopped mid-epoch: the interval checkpoint above holds the position
             # --- end of epoch: validate, checkpoint -------------------------------------------------
             val = evaluate(ema.module if ema is not None else model, ray.train.get_dataset_shard("val"), device,
                            precision, cfg, spec.prefetch_batches)
@@ -239,6 +266,13 @@ def train_loop_per_worker(config: dict) -> None:
             report(metrics)
             save("epoch", metrics)
             last_ckpt_time = time.time()
+            if stopped:
+                break
+        if stopped:
+            report({"event": "stopped", "samples_seen": counters["samples_seen"], "step": counters["step"]})
+            break
+    if sample_log is not None:
+        sample_log.close()
     if rank == 0:
         report({"event": "end", "samples_seen": counters["samples_seen"], "wall_s": time.time() - t_start})
     if dist.is_initialized():

@@ -39,7 +39,7 @@ def free_port() -> int:
 
 
 def process_table() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, command line) for every process we can read in /proc."""
+    """pid -> (parent pid, command line) for every live process we can read in /proc (zombies left out)."""
     table: dict[int, tuple[int, str]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -51,9 +51,11 @@ def process_table() -> dict[int, tuple[int, str]]:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:
             continue
-        # The parent pid is the 2nd field after the parenthesised command name, which may contain spaces.
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        table[int(entry)] = (ppid, cmd)
+        # State and parent pid follow the parenthesised command name, which may contain spaces.
+        state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
+        if state in ("Z", "X"):  # dead, waiting to be reaped: nothing left to kill
+            continue
+        table[int(entry)] = (int(ppid), cmd)
     return table
 
 
@@ -80,7 +82,7 @@ def kill_pids(pids: set[int]) -> None:
 class FakeCluster:
     """A token-auth Ray cluster whose autoscaler launches worker "machines" on this host."""
 
-    def __init__(self, config_overrides: dict[str, Any] | None = None) -> None:
+    def __init__(self, head_cpus: int = 0) -> None:
         # Unix socket paths under the temp dir must stay short (about 107 bytes): no pytest tmp_path here.
         self.temp_dir = tempfile.mkdtemp(prefix="lrfc", dir="/tmp")
         self.gcs_port = free_port()
@@ -92,9 +94,8 @@ class FakeCluster:
         self.token_path.chmod(0o600)
         cfg = yaml.safe_load(FAKE_CONFIG.read_text())
         cfg["provider"]["gcs_address"] = self.address
-        for key, value in (config_overrides or {}).items():
-            cfg[key] = value
         self.config = cfg
+        self.head_cpus = head_cpus  # 0 as in fake-cluster.yaml: all work goes to autoscaled worker machines
         self.config_path = pathlib.Path(self.temp_dir) / "autoscaling.yaml"
         self.config_path.write_text(json.dumps(cfg))
 
@@ -121,25 +122,29 @@ class FakeCluster:
             f"--dashboard-agent-listen-port={free_port()}",
             f"--temp-dir={self.temp_dir}",
             f"--autoscaling-config={self.config_path}",
-            "--num-cpus=0", "--num-gpus=0",
+            f"--num-cpus={self.head_cpus}", "--num-gpus=0",
             "--object-store-memory=200000000",
             "--disable-usage-stats",
         ]
         # AUTOSCALER_UPDATE_INTERVAL_S=1: the monitor looks at demand every second instead of every 5.
         env = self.env(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1")
         env.pop("RAY_ADDRESS")
-        subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=180)
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+        if res.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stdout[-3000:]}{res.stderr[-3000:]}")
 
     # ---- observation -------------------------------------------------------------------------------
 
-    def nodes(self) -> list[dict[str, Any]]:
-        """Every node the GCS knows (alive and dead), from the dashboard's REST API (token required)."""
-        req = urllib.request.Request(
-            f"{self.dashboard_url}/nodes?view=summary",
-            headers={"Authorization": f"Bearer {self.token_path.read_text().strip()}"},
-        )
+    def get(self, path: str, token: bool = True) -> Any:
+        """GET a dashboard API path; with this cluster's token unless ``token`` is False."""
+        headers = {"Authorization": f"Bearer {self.token_path.read_text().strip()}"} if token else {}
+        req = urllib.request.Request(f"{self.dashboard_url}{path}", headers=headers)
         with urllib.request.urlopen(req, timeout=30) as resp:
-            data = json.load(resp)
+            return json.load(resp)
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """Every node the GCS knows (alive and dead), from the dashboard's REST API."""
+        data = self.get("/nodes?view=summary")
         return [n["raylet"] for n in data["data"]["summary"]]
 
     def alive_workers(self) -> list[dict[str, Any]]:

@@ -1,0 +1,140 @@
+"""Autotuned preprocessing: a few seconds of calibration at start choose how much preprocessing runs at once.
+
+Tencent's 2020 record tuned its preprocessing threads per machine instead of guessing; here the knobs are
+Ray Data's: tasks in flight (``map_concurrency``, all ranks together), CPUs each task reserves
+(``map_cpus``) and global rows per task (``unit_rows``). The calibration runs the real map work (shard
+read or object-store get, decode, random-resized-crop, flip) of the most expensive phase as plain Ray
+tasks, at 1, 2, 4, ... tasks in flight up to twice the CPUs left to Data after the Train workers'
+reservation, and measures delivered images/s at each. It picks the *smallest* concurrency within 10% of
+the best rate: more tasks than that add nothing but take cores from the training processes (and memory).
+Rows per task follow from the measured per-image cost (about half a second of work per task: task
+overhead stays small, batches still stream smoothly). Any of the three can be pinned in the config
+(``data.preprocess_concurrency``, ``data.preprocess_cpus``, ``data.unit_rows``); ``data.autotune_seconds=0``
+turns the calibration off. The curve and the choice go to the run log as a ``preprocess_autotune`` unit
+event.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import ray
+
+from app.data import augment
+from app.data.ingest import MAP_CPUS, UNIT_ROWS, IngestSpec, _images
+from app.data.plan import EpochPlan
+
+log = logging.getLogger(__name__)
+MIN_CALIBRATION_SAMPLES = 2048  # below this a run is over before a calibration pays for itself
+TASK_SECONDS = 0.5  # target work per map task
+CALIBRATION_ROWS = 64  # rows per calibration task: short tasks give the measurement fine granularity
+KEEP_FRACTION = 0.9  # the smallest concurrency reaching this share of the best rate wins
+
+
+@dataclass
+class Choice:
+    concurrency: int | None
+    cpus: float
+    unit_rows: int
+    curve: list[dict] = field(default_factory=list)  # [{"concurrency": c, "images_per_s": r}, ...]
+    reason: str = ""
+
+
+def data_cpus(train_cpus: float) -> float:
+    """Logical CPUs of the cluster left to Ray Data once the Train workers hold theirs."""
+    return max(0.5, ray.cluster_resources().get("CPU", 1.0) - train_cpus)
+
+
+def _calibration_task(spec: IngestSpec, phase: int, start: int, rows: int) -> int:
+    """The map work for ``rows`` plan positions of epoch 0: what one ingest task does per image."""
+    ph = spec.phases[phase]
+    plan = EpochPlan(ph.shards.rows, spec.seed)
+    order = plan.order(0)
+    glob = order[start:start + rows] if start + rows <= len(order) else np.resize(order, rows)
+    shard_idx, r = plan.to_shard_row(glob)
+    n = 0
+    for img, _label, sid in _images(ph.shards, spec.local_dir, shard_idx, r):
+        augment.train_crop(img, ph.resolution, ph.min_scale, augment.sample_rng(spec.seed, 0, sid))
+        n += 1
+    return n
+
+
+def measure(spec: IngestSpec, phase: int, concurrency: int, cpus: float, seconds: float,
+            rows: int = CALIBRATION_ROWS, start: int = 0) -> float:
+    """Delivered images/s with ``concurrency`` tasks of ``rows`` images kept in flight for ``seconds``
+    (tasks still running at the deadline are waited for and counted, so no concurrency is favoured)."""
+    task = ray.remote(num_cpus=cpus, max_retries=0)(_calibration_task)
+    spec_ref = ray.put(spec)
+    n_total = max(1, sum(spec.phases[phase].shards.rows))
+    pos, done, pending = start, 0, []
+    t0 = time.perf_counter()
+    deadline = t0 + seconds
+    while True:
+        while len(pending) < concurrency and time.perf_counter() < deadline:
+            pending.append(task.remote(spec_ref, phase, pos % n_total, rows))
+            pos += rows
+        if not pending:
+            break
+        ready, pending = ray.wait(pending, num_returns=1)
+        done += sum(ray.get(ready))
+    return done / max(1e-9, time.perf_counter() - t0)
+
+
+def calibrate(spec: IngestSpec, phase: int, avail_cpus: float, seconds: float,
+              pinned_concurrency: int | None = None) -> Choice:
+    """Measure the curve and choose (see the module docstring)."""
+    top = max(1, math.ceil(2 * avail_cpus))
+    candidates = [pinned_concurrency] if pinned_concurrency else sorted(
+        {min(2**i, top) for i in range(0, int(math.log2(top)) + 2)})
+    per_point = seconds / (len(candidates) + 1)
+    # Warm-up at the largest concurrency: starts the worker processes and pays their imports untimed.
+    measure(spec, phase, candidates[-1], min(1.0, avail_cpus / candidates[-1]), per_point / 2)
+    curve = []
+    for i, c in enumerate(candidates):
+        rate = measure(spec, phase, c, min(1.0, avail_cpus / c), per_point, start=(i + 1) * 4096)
+        curve.append({"concurrency": c, "images_per_s": round(rate, 1)})
+    best = max(p["images_per_s"] for p in curve)
+    chosen = next(p for p in curve if p["images_per_s"] >= KEEP_FRACTION * best)
+    c = int(chosen["concurrency"])
+    # Per-image seconds of one task: c tasks delivered ``rate`` images/s together.
+    per_image = c / max(1e-9, chosen["images_per_s"])
+    unit_rows = int(2 ** round(math.log2(max(1.0, TASK_SECONDS / per_image))))
+    unit_rows = min(4096, max(64, unit_rows))
+    return Choice(c, round(min(1.0, avail_cpus / c), 3), unit_rows, curve,
+                  f"smallest concurrency within {KEEP_FRACTION:.0%} of the best {best:.0f} images/s")
+
+
+def apply(spec: IngestSpec, *, concurrency: int = 0, cpus: float = 0.0, unit_rows: int = 0, seconds: float = 4.0,
+          train_cpus: float = 0.0) -> Choice:
+    """Set ``spec.map_concurrency``, ``spec.map_cpus`` and ``spec.unit_rows``: pinned values (non-zero) as
+    given, the rest calibrated (or defaults when the calibration is off or the data too small to time)."""
+    avail = data_cpus(train_cpus)
+    phase = max(range(len(spec.phases)), key=lambda i: spec.phases[i].resolution)
+    ph = spec.phases[phase]
+    if concurrency and cpus and unit_rows:
+        choice = Choice(concurrency, cpus, unit_rows, reason="pinned by the config")
+    elif seconds <= 0 or spec.train_size < MIN_CALIBRATION_SAMPLES:
+        why = ("data.autotune_seconds=0" if seconds <= 0 else
+               f"{spec.train_size} training samples < {MIN_CALIBRATION_SAMPLES}: too few to be worth timing")
+        choice = Choice(concurrency or None, cpus or MAP_CPUS, unit_rows or UNIT_ROWS,
+                        reason=f"calibration off ({why}); defaults for the values not pinned")
+    else:
+        t0 = time.perf_counter()
+        choice = calibrate(spec, phase, avail, seconds, concurrency or None)
+        choice.concurrency = concurrency or choice.concurrency
+        choice.cpus = cpus or choice.cpus
+        choice.unit_rows = unit_rows or choice.unit_rows
+        choice.reason += f"; calibration took {time.perf_counter() - t0:.1f} s"
+    spec.map_concurrency, spec.map_cpus, spec.unit_rows = choice.concurrency, choice.cpus, choice.unit_rows
+    curve = ", ".join(f"{p['concurrency']}: {p['images_per_s']:.0f}" for p in choice.curve)
+    spec.event("preprocess_autotune",
+               f"preprocessing: {choice.concurrency or 'Ray Data default'} tasks in flight x {choice.cpus:g} CPU, "
+               f"{choice.unit_rows} rows per task ({choice.reason})"
+               + (f"; measured on phase {phase} ({ph.resolution}px, {ph.shards.level}) images/s by tasks in "
+                  f"flight {{{curve}}} with {avail:g} CPUs for data" if choice.curve else ""),
+               concurrency=choice.concurrency, cpus=choice.cpus, unit_rows=choice.unit_rows, curve=choice.curve)
+    return choice

@@ -1,0 +1,178 @@
+"""Real searches on a small local Ray cluster: Optuna proposes, ASHA stops, trials are lightray runs on
+the embedded demo (tiny budgets), the best recipe runs, and a killed driver resumes its experiment."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+import ray
+import yaml
+
+from app.config import load_config
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+TINY_FIXED = {
+    "scaling.workers": "1",
+    "scaling.cpus_per_worker": 0.5,
+    "data.limit_train": 128,
+    "data.limit_val": 64,
+    "report.tensorboard": False,
+    "schedule.eval_resolution": 0,
+    "global_batch": 32,
+}
+
+
+def write_space(path: pathlib.Path, **over) -> pathlib.Path:
+    raw = {
+        "metric": "val_loss",  # continuous, so ASHA's cut between trials never ties
+        "trials": 4,
+        "concurrent": 2,
+        "budget": {"epochs": 2},
+        "scheduler": {"name": "asha", "grace_period": 1, "reduction_factor": 4},
+        "searcher": {"name": "tpe", "seed": 3, "n_startup_trials": 4},
+        "fixed": dict(TINY_FIXED),
+        # Orders of magnitude apart: the trials' losses after one epoch differ clearly.
+        "params": {"optim.lr_per_256": {"dist": "loguniform", "low": 1e-4, "high": 2.0}},
+    }
+    raw.update(over)
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.fixture()
+def local_ray():
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_search_runs_trials_stops_weak_ones_and_writes_a_runnable_best_recipe(tmp_path, local_ray, capsys):
+    from app.train.runner import run_training
+    from app.tune.search import run_search
+
+    space = write_space(tmp_path / "space.yaml")
+    cfg = load_config("smoke", {"storage": str(tmp_path / "runs"), "name": "exp"})
+    result = run_search(cfg, space=str(space))
+    exp = pathlib.Path(result["experiment_dir"])
+    assert exp == tmp_path / "runs" / "exp"
+
+    trials = json.loads((exp / "trials.json").read_text())
+    assert len(trials) == 4
+    assert {"trial_id", "params", "metric", "time_s", "state", "run_dir"} <= set(trials[0])
+    states = [t["state"] for t in trials]
+    assert "EARLY_STOPPED" in states, trials  # ASHA cut at least one trial after epoch 1
+    assert "COMPLETED" in states
+    for t in trials:
+        assert isinstance(t["metric"], float) and t["time_s"] > 0
+        assert (pathlib.Path(t["run_dir"]) / "metrics.jsonl").is_file()  # each trial is a lightray run
+        assert 1e-4 <= t["params"]["optim.lr_per_256"] <= 2.0
+    best = min(trials, key=lambda t: t["metric"])
+    assert result["best"]["trial_id"] == best["trial_id"]
+
+    study = optuna.load_study(study_name="exp", storage=f"sqlite:///{exp / 'optuna.db'}")
+    assert len(study.trials) == 4 and study.direction == optuna.study.StudyDirection.MINIMIZE
+    assert (exp / "search.png").stat().st_size > 0
+    assert (exp / "report" / "report.md").is_file()
+    out = capsys.readouterr().out
+    assert best["trial_id"] in out and "EARLY_STOPPED" in out
+
+    recipe = pathlib.Path(result["best_recipe"])
+    rec_cfg = load_config(str(recipe), {"storage": str(tmp_path / "runs"), "name": "best-rerun"})
+    assert rec_cfg.optim.lr_per_256 == pytest.approx(best["params"]["optim.lr_per_256"])
+    assert rec_cfg.scaling.workers == "1" and rec_cfg.schedule.epochs == 2
+    summary = run_training(rec_cfg, progress=False)
+    assert (tmp_path / "runs" / "best-rerun" / "summary.json").is_file()
+    assert summary.get("error") in (None, "")
+
+
+DRIVER = """
+import sys, ray
+ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+from app.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (the local Ray cluster the driver started), from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _terminated_in_state(exp: pathlib.Path) -> int:
+    """Trials Tune has saved as finished in its experiment state (what a restore will keep)."""
+    n = 0
+    for f in exp.glob("experiment_state-*.json"):
+        try:
+            n = max(n, f.read_text().count("TERMINATED"))
+        except OSError:
+            pass
+    return n
+
+
+def test_killed_driver_resumes_with_finished_trials_kept(tmp_path):
+    space = write_space(tmp_path / "space.yaml", trials=2, concurrent=1, scheduler={"name": "fifo"},
+                        budget={"epochs": 2})
+    storage = tmp_path / "runs"
+    args = ["--config", "smoke", "--tune", "--space", str(space), "--storage", str(storage), "--name", "exp"]
+    env = dict(os.environ, TUNE_GLOBAL_CHECKPOINT_S="1", PYTHONPATH=str(REPO))
+    log = open(tmp_path / "first.log", "w")
+    drv = subprocess.Popen([sys.executable, "-c", DRIVER, *args], cwd=REPO, env=env, stdout=log,
+                           stderr=subprocess.STDOUT)
+    exp = storage / "exp"
+    try:
+        deadline = time.time() + 900
+        while _terminated_in_state(exp) < 1:
+            assert drv.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            assert time.time() < deadline, "no trial finished in time"
+            time.sleep(1)
+    finally:
+        family = _descendants(drv.pid)
+        drv.send_signal(signal.SIGKILL)  # the driver dies without any cleanup
+        drv.wait()
+        for pid in family:  # and so does the local cluster it had started
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        log.close()
+    assert not (exp / "trials.json").exists()
+    finished = [p.parent for p in exp.glob("*/summary.json")]
+    assert len(finished) == 1
+    done_id = finished[0].name
+    done_summary = (finished[0] / "summary.json").read_bytes()
+    starts_before = (finished[0] / "metrics.jsonl").read_text().count('"event": "start"')
+
+    res = subprocess.run([sys.executable, "-c", DRIVER, *args, "--resume"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    trials = json.loads((exp / "trials.json").read_text())
+    assert len(trials) == 2
+    by_id = {t["trial_id"]: t for t in trials}
+    assert by_id[done_id]["state"] == "COMPLETED"
+    assert all(t["state"] == "COMPLETED" for t in trials), trials
+    # The finished trial was not run again: same summary, no new start in its metrics.
+    assert (finished[0] / "summary.json").read_bytes() == done_summary
+    assert (finished[0] / "metrics.jsonl").read_text().count('"event": "start"') == starts_before
+    assert (exp / "best_recipe.yaml").is_file()

@@ -1,0 +1,210 @@
+"""Search-space files: parsing, every bad-input case (exit status 2 naming the entry), budget and batch
+mapping, the time-to-target objective and trial sizing. No Ray cluster needed."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import yaml
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+from app.config import ConfigError, load_config
+from app.tune.objective import Objective
+from app.tune.search import fit_concurrency, format_table
+from app.tune.space import (
+    SPACES_DIR,
+    apply_params,
+    base_for_trials,
+    load_space,
+    parse_space,
+)
+
+BASE = {"params": {"optim.lr_per_256": {"dist": "loguniform", "low": 0.01, "high": 1.0}}}
+
+
+@pytest.fixture(scope="module")
+def demo_cfg():
+    return load_config("demo", {})
+
+
+def space(**over):
+    raw = yaml.safe_load(yaml.safe_dump(BASE))
+    for k, v in over.items():
+        raw[k] = v
+    return raw
+
+
+def param(key, spec):
+    return space(params={key: spec})
+
+
+def test_shipped_spaces_parse_into_optuna_distributions(demo_cfg):
+    demo = load_space(str(SPACES_DIR / "demo.yaml"), demo_cfg)
+    dists = demo.optuna_space()
+    assert isinstance(dists["optim.lr_per_256"], FloatDistribution) and dists["optim.lr_per_256"].log
+    assert isinstance(dists["schedule.warmup_epochs"], FloatDistribution) and not dists["schedule.warmup_epochs"].log
+    assert isinstance(dists["optim.label_smoothing"], CategoricalDistribution)
+    assert demo.fixed["scaling.workers"] == "1" and demo.budget_epochs == 3 and demo.scheduler == "asha"
+    large = load_space("large_batch", demo_cfg)
+    assert {p.key for p in large.params} >= {"optim.lr_per_256", "schedule.warmup_epochs", "global_batch",
+                                             "comm.ratio", "optim.label_smoothing", "optim.weight_decay",
+                                             "optim.trust_coefficient"}
+    assert large.fixed["optim.name"] == "lars" and large.fixed["comm.mode"] == "topk"
+
+
+def test_space_round_trips_through_its_saved_form(demo_cfg):
+    sp = load_space("large_batch", demo_cfg)
+    again = parse_space(yaml.safe_load(yaml.safe_dump(sp.to_dict())), demo_cfg, "saved")
+    assert again.to_dict() == sp.to_dict()
+
+
+def test_int_key_gets_int_distribution_with_log_scale(demo_cfg):
+    sp = parse_space(param("comm.warmup_steps", {"dist": "int", "low": 1, "high": 64, "log": True}), demo_cfg)
+    d = sp.optuna_space()["comm.warmup_steps"]
+    assert isinstance(d, IntDistribution) and d.log and (d.low, d.high) == (1, 64)
+
+
+@pytest.mark.parametrize("raw, words", [
+    (param("optim.lr_per_257", {"dist": "uniform", "low": 0.1, "high": 1}), ["params.optim.lr_per_257",
+                                                                              "unknown config key"]),
+    (param("optimizer.lr", {"dist": "uniform", "low": 0.1, "high": 1}), ["params.optimizer.lr", "unknown"]),
+    (param("lr", {"dist": "uniform", "low": 0.1, "high": 1}), ["params.lr", "unknown config key"]),
+    (param("optim.lr_per_256", {"dist": "uniform", "low": 1.0, "high": 0.1}), ["params.optim.lr_per_256",
+                                                                                "inverted bounds"]),
+    (param("optim.lr_per_256", {"dist": "uniform", "low": 0.5, "high": 0.5}), ["inverted bounds"]),
+    (param("schedule.epochs", {"dist": "uniform", "low": 1, "high": 4}), ["params.schedule.epochs",
+                                                                          "does not fit integer key"]),
+    (param("optim.name", {"dist": "loguniform", "low": 1, "high": 4}), ["params.optim.name", "use dist: choice"]),
+    (param("schedule.phases", {"dist": "choice", "values": [1, 2]}), ["params.schedule.phases", "type"]),
+    (param("comm.ratio", {"dist": "choice", "values": ["a lot"]}), ["params.comm.ratio.values[0]", "number"]),
+    (param("optim.nesterov", {"dist": "choice", "values": ["maybe"]}), ["params.optim.nesterov.values[0]",
+                                                                        "true or false"]),
+    (param("schedule.epochs", {"dist": "int", "low": 1.5, "high": 4}), ["params.schedule.epochs.low",
+                                                                        "integer"]),
+    (param("optim.lr_per_256", {"dist": "loguniform", "low": 0.0, "high": 1}), ["params.optim.lr_per_256.low",
+                                                                                 "log scale"]),
+    (param("optim.lr_per_256", {"dist": "normal", "low": 0.1, "high": 1}), ["params.optim.lr_per_256.dist",
+                                                                             "loguniform"]),
+    (param("optim.lr_per_256", {"dist": "uniform", "low": 0.1}), ["params.optim.lr_per_256.high", "missing"]),
+    (param("optim.lr_per_256", {"dist": "uniform", "lo": 0.1, "high": 1}), ["params.optim.lr_per_256.lo",
+                                                                             "unknown key"]),
+    (param("optim.lr_per_256", 0.4), ["params.optim.lr_per_256", "expected a mapping"]),
+    (param("optim.momentum", {"dist": "uniform", "low": 0.5, "high": 1.5}), ["params.optim.momentum = 1.5",
+                                                                              "optim.momentum"]),
+    (param("comm.mode", {"dist": "choice", "values": ["dense", "gzip"]}), ["params.comm.mode = 'gzip'",
+                                                                           "allowed"]),
+    (param("optim.label_smoothing", {"dist": "choice", "values": []}), ["values", "non-empty"]),
+    (space(params={}), ["params", "expected a mapping"]),
+    (space(objective="fastest"), ["objective", "max_metric"]),
+    (space(mode="up"), ["mode", "max, min"]),
+    (space(metric="loss"), ["metric", "validation metric"]),
+    (space(trials=0), ["trials", ">= 1"]),
+    (space(budget={"epochs": 0}), ["budget.epochs"]),
+    (space(budget={"hours": 1}), ["budget.hours", "unknown key"]),
+    (space(scheduler={"name": "hyperband"}), ["scheduler.name", "asha"]),
+    (space(scheduler={"grace_period": 9}, budget={"epochs": 2}), ["scheduler.grace_period", "budget"]),
+    (space(scheduler={"reduction_factor": 1}), ["scheduler.reduction_factor", "> 1"]),
+    (space(searcher={"name": "cmaes"}), ["searcher.name", "tpe"]),
+    (space(fixed={"optim.lr": 1}), ["fixed.optim.lr", "unknown config key"]),
+    (space(fixed={"optim.lr_per_256": 0.1}), ["params.optim.lr_per_256", "also set in fixed"]),
+    (space(fixed={"optim.momentum": 3}), ["fixed/budget", "optim.momentum"]),
+    (space(objective="time_to_target", target=1.5), ["target", "(0, 1]"]),
+    (space(surprise=1), ["surprise", "unknown key"]),
+])
+def test_bad_space_entry_raises_config_error_naming_it(demo_cfg, raw, words):
+    with pytest.raises(ConfigError) as err:
+        parse_space(raw, demo_cfg, "my_space.yaml")
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("my_space.yaml")
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+def test_cli_tune_with_bad_space_exits_2_with_one_line(tmp_path, capsys):
+    from app.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(param("optim.lr_per_256", {"dist": "uniform", "low": 2.0, "high": 1.0})))
+    assert main(["--tune", "--space", str(bad), "--storage", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "params.optim.lr_per_256" in err[0] and "inverted bounds" in err[0]
+    assert main(["--tune", "--space", str(tmp_path / "nope.yaml"), "--storage", str(tmp_path / "runs")]) == 2
+    assert "nope.yaml" in capsys.readouterr().err
+    assert main(["--tune", "--resume", "--storage", str(tmp_path / "empty")]) == 2
+    assert "no tune experiment" in capsys.readouterr().err
+
+
+def test_budget_cuts_or_stretches_phases_and_warmup(demo_cfg):
+    # demo phases end at epochs 4, 8, 10; a 5-epoch budget keeps two phases, the second cut to end at 5.
+    cut = base_for_trials(demo_cfg, parse_space(space(budget={"epochs": 5}), demo_cfg))
+    assert cut.schedule.epochs == 5
+    assert [(p.until_epoch, p.resolution) for p in cut.schedule.phases] == [(4, 32), (5, 48)]
+    long = base_for_trials(demo_cfg, parse_space(space(budget={"epochs": 14}), demo_cfg))
+    assert [p.until_epoch for p in long.schedule.phases] == [4, 8, 14]
+    short_cfg = load_config("demo", {"schedule.warmup_epochs": 3})
+    short = base_for_trials(short_cfg, parse_space(space(budget={"epochs": 2}), short_cfg))
+    assert short.schedule.warmup_epochs == 2 and len(short.schedule.phases) == 1
+
+
+def test_global_batch_scales_every_phase_by_one_factor(demo_cfg):
+    cfg = apply_params(demo_cfg, {"global_batch": 512, "optim.lr_per_256": 0.8})
+    assert [p.batch_size for p in cfg.schedule.phases] == [512, 384, 256]  # demo: 256, 192, 128
+    assert cfg.optim.lr_per_256 == 0.8
+    sp = parse_space(param("global_batch", {"dist": "choice", "values": [64, 128]}), demo_cfg)
+    assert sp.optuna_space()["global_batch"].choices == (64, 128)
+    with pytest.raises(ConfigError, match="params.global_batch"):
+        parse_space(param("global_batch", {"dist": "uniform", "low": 64, "high": 128}), demo_cfg, "s")
+
+
+def test_default_mode_follows_metric(demo_cfg):
+    assert parse_space(space(metric="val_loss"), demo_cfg).mode == "min"
+    assert parse_space(space(metric="val_top5"), demo_cfg).mode == "max"
+    ttt = parse_space(space(objective="time_to_target", target=0.6), demo_cfg)
+    assert (ttt.tune_metric, ttt.tune_mode) == ("time_to_target_s", "min")
+
+
+def test_time_to_target_projects_until_reached_then_holds():
+    obj = Objective("time_to_target", "val_top1", target=0.5)
+    first = obj.augment({"val_top1": 0.25, "elapsed_s": 10.0, "epoch": 1})
+    assert first["time_to_target_s"] == pytest.approx(20.0) and first["reached_target"] == 0
+    hit = obj.augment({"val_top1": 0.55, "elapsed_s": 30.0, "epoch": 2})
+    assert hit["time_to_target_s"] == 30.0 and hit["reached_target"] == 1
+    later = obj.augment({"val_top1": 0.45, "elapsed_s": 50.0, "epoch": 3})
+    assert later["time_to_target_s"] == 30.0  # the first time it got there counts
+    plain = Objective("max_metric", "val_top1", 0.5)
+    assert plain.augment({"val_top1": 0.3, "epoch": 1}) == {"val_top1": 0.3, "epoch": 1}
+    assert not plain.wants({"loss": 1.0, "epoch": 0})  # interval checkpoints carry no validation
+
+
+def test_concurrency_is_cut_to_what_the_cluster_holds():
+    cfg = load_config("demo", {"scaling.workers": "1", "scaling.cpus_per_worker": 0.5})
+    assert fit_concurrency(cfg, 2, {"CPU": 4.0}) == (2, "")
+    k, note = fit_concurrency(cfg, 8, {"CPU": 4.0})
+    assert k == 2 and "--concurrent 8" in note
+    with pytest.raises(ConfigError, match="--concurrent"):
+        fit_concurrency(load_config("demo", {"scaling.workers": "8"}), 1, {"CPU": 2.0})
+    gpu = load_config("demo", {"scaling.workers": "2", "scaling.use_gpu": "true"})
+    assert fit_concurrency(gpu, 4, {"CPU": 64.0, "GPU": 4.0})[0] == 2
+
+
+def test_trial_table_lists_params_metric_time_and_state(demo_cfg):
+    sp = parse_space(BASE, demo_cfg)
+    rows = [{"trial_id": "a_00000", "params": {"optim.lr_per_256": 0.5}, "metric": 0.41, "time_s": 12.5,
+             "state": "COMPLETED", "epochs": 3},
+            {"trial_id": "a_00001", "params": {"optim.lr_per_256": 0.01}, "metric": 0.12, "time_s": 4.0,
+             "state": "EARLY_STOPPED", "epochs": 1}]
+    table = format_table(rows, sp).splitlines()
+    assert "optim.lr_per_256" in table[0] and "val_top1" in table[0] and "state" in table[0]
+    assert "EARLY_STOPPED" in table[3] and "0.12" in table[3]
+
+
+def test_space_path_by_bare_name_and_missing_file(demo_cfg, tmp_path):
+    assert load_space("demo", demo_cfg).source.endswith("tune_spaces/demo.yaml")
+    with pytest.raises(ConfigError, match="--space"):
+        load_space(str(tmp_path / "missing.yaml"), demo_cfg)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("params: [unclosed")
+    with pytest.raises(ConfigError, match="broken.yaml"):
+        load_space(str(broken), demo_cfg)
+    assert pathlib.Path(SPACES_DIR / "large_batch.yaml").is_file()
