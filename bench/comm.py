@@ -206,8 +206,26 @@ def accuracy(storage: str, extra: dict[str, Any]) -> dict[str, Any]:
         return {"error": f"app.train.runner.run_training not available ({exc})"}
     out: dict[str, Any] = {}
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    # The trainings print progress and Ray relays worker logs to fd 1: send all of it to stderr so
+    # stdout carries only the bench's JSON line.
+    sys.stdout.flush()
+    saved_fd = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        _accuracy_runs(storage, extra, stamp, out, load_config, run_training)
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved_fd, 1)
+        os.close(saved_fd)
+    return out
+
+
+def _accuracy_runs(storage: str, extra: dict[str, Any], stamp: str, out: dict[str, Any], load_config: Any,
+                   run_training: Any) -> None:
     for name, overrides in ACCURACY_VARIANTS.items():
-        ov = {**overrides, **extra, "name": f"bench-comm-{name}-{stamp}", "storage": storage}
+        # A fresh local Ray cluster: "auto" would join whatever cluster runs on this machine.
+        ov = {"scaling.ray_address": "local", **overrides, **extra, "name": f"bench-comm-{name}-{stamp}",
+              "storage": storage}
         try:
             cfg = load_config("demo", ov)
             t0 = time.time()
@@ -217,7 +235,10 @@ def accuracy(storage: str, extra: dict[str, Any]) -> dict[str, Any]:
                          "wall_s": round(time.time() - t0, 1)}
         except Exception as exc:  # noqa: BLE001 - one failed variant must not hide the others' figures
             out[name] = {"error": f"{type(exc).__name__}: {exc}"}
-    return out
+        finally:
+            import ray
+
+            ray.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -242,10 +263,14 @@ def main(argv: list[str] | None = None) -> None:
             r = res[mode]
             figures[arch]["measured"][mode] = {
                 "bytes_per_step": int(r["bytes"]), "inter_node_bytes_per_step": int(r["inter_bytes"]),
-                "bytes_vs_dense": round(r["bytes"] / dense["bytes"], 5), "step_s": round(r["step_s"], 4),
+                "bytes_vs_dense": round(r["bytes"] / dense["bytes"], 5),
+                "inter_node_bytes_vs_dense": round(r["inter_bytes"] / dense["inter_bytes"], 5),
+                "step_s": round(r["step_s"], 4),
                 "comm_s": None if r["comm_s"] is None else round(r["comm_s"], 4)}
             if mode != "dense":
                 ratios[f"{arch}_bytes_dense_over_{mode}"] = round(dense["bytes"] / max(r["bytes"], 1), 3)
+                ratios[f"{arch}_inter_node_bytes_dense_over_{mode}"] = round(
+                    dense["inter_bytes"] / max(r["inter_bytes"], 1), 3)
                 ratios[f"{arch}_step_time_dense_over_{mode}"] = round(dense["step_s"] / r["step_s"], 3)
         m = _model(arch)
         proj = project(arch, res["elements"], powersgd_elements(m, 2))

@@ -70,7 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit-train", type=int, default=960)
     p.add_argument("--limit-val", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-cpus", type=int, default=2 * (os.cpu_count() or 1))
+    # Logical CPUs of the local cluster. Headroom on purpose: a trial ASHA stops can leave its Train
+    # worker placement group behind when Ray's PlacementGroupCleaner cannot reach the State API (no
+    # dashboard, or several Ray instances on one machine), and the baseline must not starve on those.
+    p.add_argument("--num-cpus", type=int, default=4 * (os.cpu_count() or 1))
     args = p.parse_args(argv)
 
     import ray

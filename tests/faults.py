@@ -137,3 +137,175 @@ def final_state(run_dir: pathlib.Path) -> dict:
 
     last = checkpoints(run_dir)[-1]
     return torch.load(last / "state_rank0.pt", map_location="cpu", weights_only=False)
+
+
+# --- multi-node clusters on this machine (issue 6: node loss, elastic resize, preemption notice) -----------------
+def train_records(run_dir: pathlib.Path) -> list[dict]:
+    """Training metrics lines (no events, no end-of-epoch validation lines)."""
+    return [r for r in records(run_dir) if "event" not in r and "val_top1" not in r]
+
+
+def events(run_dir: pathlib.Path, name: str) -> list[dict]:
+    return [r for r in records(run_dir) if r.get("event") == name]
+
+
+def same_multiset(carried: dict[int, list[int]], planned: dict[int, list[int]]) -> dict[int, str]:
+    """Per epoch, what differs between the carried and planned sample ids (empty when every epoch matches
+    exactly as a multiset: no id twice, none missing)."""
+    from collections import Counter
+
+    out = {}
+    for epoch in sorted(set(carried) | set(planned)):
+        c, p = Counter(carried.get(epoch, [])), Counter(planned.get(epoch, []))
+        if c != p:
+            extra, missing = c - p, p - c
+            out[epoch] = (f"{sum(c.values())} carried vs {sum(p.values())} planned; extra/duplicated "
+                          f"{sorted(extra.elements())[:10]}, missing {sorted(missing.elements())[:10]}")
+    return out
+
+
+def _refresh_ray_config() -> None:
+    from ray._raylet import Config
+
+    Config.initialize("")
+
+
+class NodeCluster:
+    """A head (no "trainer" resource, so no Train worker lands there) and N worker nodes with one "trainer"
+    each, all on this machine through ``ray.cluster_utils.Cluster``; usable as a context manager.
+
+    Cluster() points this host's "current cluster" file at itself: it is put back on exit so that other users
+    of the machine (``ray.init(address="auto")``) find their own cluster again. The nodes run with token auth
+    (``RAY_AUTH_MODE=token`` and ``~/.ray/auth_token``), which the driver subprocess inherits through the
+    environment; a client without it cannot connect to a token cluster, and one with it cannot connect to a
+    cluster without, so both sides are pinned explicitly here rather than left to whatever a previous
+    ``ray.init()`` in this process set. Ray Train's drain poll (5 s by default) is shortened to 0.5 s.
+    """
+
+    ENV = {"RAY_AUTH_MODE": "token", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"}
+
+    def __init__(self, workers: int = 2, head_cpus: int = 2, worker_cpus: float = 1):
+        self.n_workers = workers
+        self.head_cpus = head_cpus
+        self.worker_cpus = worker_cpus
+        self.cluster = None
+        self.nodes: list = []  # worker nodes alive (added and not removed), oldest first
+        self._saved_env: dict[str, str | None] = {}
+        self._address_file: pathlib.Path | None = None
+        self._previous_address: str | None = None
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def __enter__(self) -> NodeCluster:
+        import ray
+        import ray._private.utils as ray_utils
+        from ray._private.authentication.authentication_token_setup import (
+            _get_default_token_path,
+            generate_and_save_token,
+        )
+        from ray.cluster_utils import Cluster
+
+        if ray.is_initialized():
+            ray.shutdown()
+        for k, v in self.ENV.items():
+            self._saved_env[k] = os.environ.get(k)
+            os.environ[k] = v
+        _refresh_ray_config()  # this process caches the auth mode it saw first (Ray does the same on enabling it)
+        if not _get_default_token_path().is_file():
+            generate_and_save_token()
+        self._address_file = pathlib.Path(ray_utils.get_ray_address_file(None))
+        self._previous_address = self._address_file.read_text() if self._address_file.exists() else None
+        try:
+            self.cluster = Cluster(initialize_head=True,
+                                   head_node_args={"num_cpus": self.head_cpus, "include_dashboard": False})
+            for _ in range(self.n_workers):
+                self.add_worker()
+            self.cluster.wait_for_nodes()
+            ray.init(address=self.cluster.address, include_dashboard=False, log_to_driver=False)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def add_worker(self):
+        """A replacement machine joining (what the autoscaler would launch)."""
+        node = self.cluster.add_node(num_cpus=self.worker_cpus, resources={"trainer": 1})
+        self.nodes.append(node)
+        return node
+
+    def remove_worker(self, node=None):
+        """A machine lost without notice: its raylet and every process on it killed at once."""
+        node = node if node is not None else self.nodes[0]
+        self.nodes.remove(node)
+        self.cluster.remove_node(node, allow_graceful=False)
+        return node
+
+    def alive_trainer_nodes(self) -> list[str]:
+        import ray
+
+        return [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("trainer")]
+
+    def __exit__(self, *exc) -> None:
+        import ray
+
+        try:
+            ray.shutdown()
+        finally:
+            try:
+                if self.cluster is not None:
+                    self.cluster.shutdown()
+            finally:
+                for k, v in self._saved_env.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+                _refresh_ray_config()
+                f, prev = self._address_file, self._previous_address
+                if f is not None and prev is not None:
+                    f.parent.mkdir(parents=True, exist_ok=True)
+                    f.write_text(prev)
+                elif f is not None and self.cluster is not None and f.exists() and \
+                        f.read_text() == self.cluster.address:
+                    f.unlink()
+
+
+# A run long enough to interfere with: 2 epochs of 8 steps of 64 at 32 px, then 16 steps of 32 at 48 px
+# per further epoch (epochs=4: 48 steps), a checkpoint every 4 steps, one Train worker per "trainer" node.
+def long_run(epochs: int = 4) -> tuple[str, ...]:
+    return ("--data.limit_train=512", f"--schedule.epochs={epochs}",
+            f"--schedule.phases=[{{until_epoch: 2, resolution: 32, batch_size: 64}}, "
+            f"{{until_epoch: {epochs}, resolution: 48, batch_size: 32}}]", "--checkpoint.every_steps=4",
+            "--scaling.worker_resources={trainer: 1}")
+
+
+def cluster_driver(nodes: NodeCluster, storage: pathlib.Path, name: str, *args: str, cache: pathlib.Path,
+                   epochs: int = 4) -> subprocess.Popen:
+    """The real driver against the multi-node cluster, one Train worker per worker node."""
+    return driver(storage, name, *long_run(epochs), *args, cache=cache, address=nodes.address,
+                  env=NodeCluster.ENV)
+
+
+def run_schedule(run_dir: pathlib.Path):
+    """The run's own Schedule (from its resolved config.yaml and data.json)."""
+    import yaml
+
+    from app.config import config_from_dict
+    from app.schedule import Schedule
+
+    cfg = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    return Schedule(cfg.schedule, cfg.optim, json.loads((run_dir / "data.json").read_text())["train_samples"])
+
+
+def steps_for(sched, samples_seen: int) -> int:
+    """Global steps the recipe takes to reach ``samples_seen`` (each step = the phase's global batch)."""
+    steps = 0
+    for e in range(sched.epochs):
+        b = sched.phase_for_epoch(e).batch_size
+        if samples_seen >= sched.epoch_start(e + 1):
+            steps += sched.steps_in_epoch(e)
+        else:
+            return steps + (samples_seen - sched.epoch_start(e)) // b
+    return steps

@@ -37,3 +37,18 @@ def test_rank_slices_tile_the_batch_even_when_uneven():
             assert spans[0][0] == 0 and spans[-1][1] == batch
             assert all(spans[i][1] == spans[i + 1][0] for i in range(world - 1))
             assert max(e - s for s, e in spans) - min(e - s for s, e in spans) <= 1
+
+
+def test_prepared_shards_mix_classes(tmp_path, ray_local):
+    """The plan reads shard by shard, so each shard must hold a mix of classes, not a run of one class."""
+    import pyarrow.parquet as pq
+
+    from app.data.demo import generate_demo
+    from app.data.manifest import Manifest
+    from app.data.prepare import prepare
+
+    src = generate_demo(tmp_path / "src", seed=0, num_classes=4, train_per_class=40, val_per_class=4)
+    man = Manifest.load(str(prepare(str(src), str(tmp_path / "cache"), [32], shard_rows=40)))
+    for shard in man.shards("train", 32):
+        labels = pq.read_table(shard.uri, columns=["label"]).column(0).to_pylist()
+        assert len(set(labels)) >= 3, labels

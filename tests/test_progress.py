@@ -174,7 +174,7 @@ def test_quiet_ray_logging_kwargs_start_a_real_cluster() -> None:
 
     if ray.is_initialized():
         pytest.skip("another test left Ray running")
-    ray.init(num_cpus=1, include_dashboard=False, **quiet_ray_logging(verbose=False))
+    ray.init(address="local", num_cpus=1, include_dashboard=False, **quiet_ray_logging(verbose=False))
     try:
         assert ray.get(ray.put(7)) == 7
     finally:

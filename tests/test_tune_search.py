@@ -51,7 +51,9 @@ def write_space(path: pathlib.Path, **over) -> pathlib.Path:
 
 @pytest.fixture()
 def local_ray():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # 6 logical CPUs: room for 2 trials plus the worker placement groups that trials stopped by ASHA can
+    # leave behind while Ray's PlacementGroupCleaner has no State API (no dashboard here).
+    ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from app.config import Config
 
 log = logging.getLogger("lightray.prepare")
-FORMAT_VERSION = 1  # bump when the shard bytes change for the same inputs (forces new cache keys)
+FORMAT_VERSION = 2  # bump when the shard bytes change for the same inputs (forces new cache keys)
 PROGRESS_DIR = "_progress"
 MIN_TIER, MAX_TIER = 8, 4096
 
@@ -93,6 +93,17 @@ def cache_key(listing: SourceListing, params: dict[str, Any]) -> str:
     h.update(listing.fingerprint().encode())
     h.update(json.dumps(params, sort_keys=True, separators=(",", ":")).encode())
     return h.hexdigest()
+
+
+SHARD_MIX_SEED = 20200731
+
+
+def mix_for_shards(items: list[tuple[int, Any]], split: str) -> list[tuple[int, Any]]:
+    """A fixed pseudo-random order of a split's entries (same inputs, same shards)."""
+    import numpy as np
+
+    rng = np.random.default_rng([SHARD_MIX_SEED, sum(split.encode())])
+    return [items[i] for i in rng.permutation(len(items))]
 
 
 def select(listing: SourceListing, limit: dict[str, int] | None) -> dict[str, list[tuple[int, Any]]]:
@@ -261,7 +272,7 @@ def prepare(source: str, cache_root: str, tiers: list[int], *, jpeg_quality: int
     params = {"tiers": tiers, "formats": {str(t): f for t, f in formats.items()}, "jpeg_quality": int(jpeg_quality),
               "raw_max_resolution": int(raw_max_resolution), "shard_rows": int(shard_rows), "limit": limit,
               "resample": images.RESAMPLE.name, "alpha_background": list(images.ALPHA_BACKGROUND),
-              "format_version": FORMAT_VERSION}
+              "format_version": FORMAT_VERSION, "shard_mix_seed": SHARD_MIX_SEED}
     key = cache_key(listing, params)
     root = normalise_root(cache_root)
     location = join(root, key)
@@ -286,7 +297,10 @@ def prepare(source: str, cache_root: str, tiers: list[int], *, jpeg_quality: int
     chosen = select(listing, limit)
     units: list[dict[str, Any]] = []
     for split in sorted(chosen):
-        items = chosen[split]
+        # Shards get a seeded random mix of the listing (sorted by class): a shard of consecutive entries
+        # would hold one or two classes, and the epoch plan reads shard by shard. Sample ids stay the
+        # listing indices, so labels and ids never depend on this order.
+        items = mix_for_shards(chosen[split], split)
         for j, lo in enumerate(range(0, len(items), shard_rows)):
             units.append({"split": split, "index": j, "source": listing.root, "out_dir": location,
                           "tiers": tiers, "formats": {str(t): f for t, f in formats.items()},

@@ -27,6 +27,7 @@ class RunLog:
     def __init__(self, local_dir: str, tensorboard: bool = True):
         os.makedirs(local_dir, exist_ok=True)
         self.path = os.path.join(local_dir, "metrics.jsonl")
+        _drop_partial_last_line(self.path)  # a driver killed mid-write (resume appends after it)
         self.tb_dir = os.path.join(local_dir, "tensorboard") if tensorboard else None
         self._tb = None
         self.last: dict[str, Any] = {}
@@ -34,20 +35,22 @@ class RunLog:
         # this long-lived process was seen to fail to load libtorch on a 0-CPU head node.
         self._writer()
 
-    def _writer(self):
+    def _writer(self, purge_step: int | None = None):
         if self._tb is None and self.tb_dir:
-            try:
-                from app.report.tensorboard_log import TBLogger
-            except ImportError:  # the report module is optional for the run itself
-                self.tb_dir = None
-                return None
-            self._tb = TBLogger(self.tb_dir)
+            from app.report.tensorboard_log import TBLogger
+
+            self._tb = TBLogger(self.tb_dir, purge_step=purge_step)
         return self._tb
 
     def log(self, record: dict[str, Any]) -> None:
         record = dict(record, time=record.get("time", time.time()))
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if record.get("event") == "restart" and self._tb is not None:
+            # Steps after the resumed checkpoint are replayed: drop their old points from TensorBoard.
+            self._tb.close()
+            self._tb = None
+            self._writer(purge_step=int(record.get("samples_seen", 0)))
         if "event" not in record:
             self.last = record
             tb = self._writer()
@@ -81,17 +84,10 @@ def start_runlog(run_name: str, local_dir: str, tensorboard: bool = True):
                           ).remote(local_dir, tensorboard)
 
 
-def read_metrics(run_dir: str) -> list[dict[str, Any]]:
-    path = os.path.join(run_dir, "metrics.jsonl")
+def _drop_partial_last_line(path: str) -> None:
     if not os.path.isfile(path):
-        return []
-    out = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue  # a line cut by a crash
-    return out
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)

@@ -148,7 +148,8 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
 
     from app.data.manifest import Manifest
     from app.data.prepare import prepare_main
-    from app.report.runlog import read_metrics, start_runlog
+    from app.report.progress import read_metrics
+    from app.report.runlog import start_runlog
     from app.report.summary import write_summary
     from app.train.worker import train_loop_per_worker
 
@@ -216,7 +217,8 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
         ray.get(runlog.flush.remote())
         if printer is not None:
             printer.stop()
-    summary = write_summary(cfg, run_dir, local_run_dir, read_metrics(local_run_dir), t0, time.time(), sched,
+    records = read_metrics(os.path.join(local_run_dir, "metrics.jsonl"))[0]
+    summary = write_summary(cfg, run_dir, local_run_dir, records, t0, time.time(), sched,
                             use_gpu=use_gpu, error=error,
                             spot={"watched_nodes": len(spot), "notices": sum(s.get("notices", 0) > 0 for s in spot),
                                   "drained": sum(bool(s.get("drained")) for s in spot)})

@@ -1,0 +1,116 @@
+"""Helpers shared by the side-by-side benchmarks: the machine's evidence and the one JSON line.
+
+Every ``python -m bench.<name>`` prints exactly one line on stdout,
+``{"bench": NAME, "figures": {...}, "ratios": {...}, "machine": {...}}``; everything else (progress,
+Ray's logs) goes to stderr so that the line can be piped straight into a results file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+from typing import Any
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_avg() -> float:
+    """The 1-minute load average (the machine is shared: figures mean little without it)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return -1.0
+
+
+def memory_gib() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return -1.0
+
+
+def git_revision() -> str:
+    """HEAD's hash, with ``+dirty`` when the working tree differs from it (read-only git commands)."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (rev or "unknown") + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+class Machine:
+    """Collects the ``machine`` section: take one at the start of a bench, ``finish()`` it at the end."""
+
+    def __init__(self) -> None:
+        self.t0 = time.time()
+        self.load_start = load_avg()
+
+    def finish(self, **extra: Any) -> dict[str, Any]:
+        import torch
+
+        try:
+            import ray
+
+            ray_version = ray.__version__
+        except ImportError:
+            ray_version = "absent"
+        return {"cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                "cpu_count": os.cpu_count(), "memory_gib": memory_gib(), "load_avg_1m_at_start": self.load_start,
+                "load_avg_1m_at_end": load_avg(), "torch": torch.__version__, "ray": ray_version,
+                "python": platform.python_version(), "platform": platform.platform(), "git": git_revision(),
+                "command": " ".join(["python", "-m", module_name(sys.argv[0]), *sys.argv[1:]]),
+                "bench_wall_s": round(time.time() - self.t0, 1), **extra}
+
+
+def module_name(argv0: str) -> str:
+    """``bench/overhead.py`` (what ``-m`` leaves in argv[0]) -> ``bench.overhead``."""
+    p = pathlib.Path(argv0)
+    try:
+        p = p.resolve().relative_to(REPO)
+    except ValueError:
+        return argv0
+    return ".".join(p.with_suffix("").parts)
+
+
+def emit(bench: str, figures: dict[str, Any], ratios: dict[str, Any], machine: dict[str, Any]) -> dict[str, Any]:
+    """Print the bench's one JSON line on stdout (flushed) and return it."""
+    line = {"bench": bench, "figures": figures, "ratios": ratios, "machine": machine}
+    sys.stdout.write(json.dumps(line) + "\n")
+    sys.stdout.flush()
+    return line
+
+
+def note(message: str) -> None:
+    """Progress for the person watching: stderr, never stdout (stdout holds only the JSON line)."""
+    sys.stderr.write(f"[bench {time.strftime('%H:%M:%S')}] {message}\n")
+    sys.stderr.flush()
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or den is None or den == 0:
+        return None
+    return round(num / den, 4)
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The records of a run's ``metrics.jsonl`` (a line cut short by a crash is skipped)."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out

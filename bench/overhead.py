@@ -1,0 +1,327 @@
+"""Framework overhead: lightray's training path against a plain torch.distributed script, same work.
+
+    python -m bench.overhead                   # 2 workers, resnet_tiny, 32 px, global batch 128, 80 steps
+    python -m bench.overhead --quick           # a correctness run in well under a minute of training
+    python -m bench.overhead --resolution 64 --batch 64 --steps 120 --warmup 20
+
+Both sides train the same model (``app.train.model.build_model``, resnet_tiny, same seed, channels_last
+as in the demo recipe), on the same pre-decoded uint8 NHWC tensors (random pixels and labels made once
+in this process), with the same global batch, number of steps and worker count. Steps/s are measured
+after the first ``--warmup`` steps on both sides, over the same step range.
+
+(a) plain: ``torch.multiprocessing`` spawns ``--workers`` processes, gloo process group (file store),
+    ``DistributedDataParallel``, ``torch.optim.SGD`` (momentum 0.9, nesterov, the recipe's weight decay),
+    cross-entropy with the recipe's label smoothing; each rank indexes its slice of every global batch
+    straight out of an in-memory uint8 tensor and normalises it as lightray does. One torch thread per
+    process (what torchrun sets, and what Ray gives a worker reserving under one CPU). It is run twice,
+    before and after (b), and the mean is the baseline: the machine is shared and its load drifts.
+
+(b) lightray: the real ``app.train.worker.train_loop_per_worker`` run by a real Ray Train ``TorchTrainer``
+    (``ScalingConfig`` with the recipe's ``cpus_per_worker``, ``RunConfig``/``FailureConfig``/
+    ``CheckpointConfig`` as ``run_training`` builds them, Ray Data's resource cap as ``run_training`` sets
+    it), so it includes: worker-group start, adaptive DDP bucket sizing, the comm hook (dense), the LR /
+    momentum schedule applied every step, the run-log actor and TensorBoard events every
+    ``--report-every`` steps, ``ray.train.get_preemption_info()`` (a collective) at every report, the
+    end-of-epoch validation + checkpoint (after the timed range). The data path is a thin variant of
+    ``app.data.ingest.PlanDataConfig``: the same per-rank streams (plan units -> ``map_batches`` tasks with
+    the same fractional CPUs, per-rank task pool and ``preserve_order``) but each task slices the rank's
+    rows out of the pre-decoded tensors (one object-store array) instead of decoding + cropping shard
+    rows, so JPEG decode and augmentation are not measured; Ray Data streaming + Ray Train + the worker
+    loop are. The run is not launched through ``run_training`` because that always prepares a shard cache
+    from image files (decode + crop would then dominate); everything after preparation is reproduced.
+
+Timing of (b) comes from the loop's own metrics (``elapsed_s`` at the reports of steps ``warmup`` and
+``steps``, taken on rank 0 right after the optimizer step, as on the plain side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import statistics
+import tempfile
+import time
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.common import Machine, emit, note, ratio, read_jsonl
+
+MEAN = (0.485, 0.456, 0.406)
+STD = (0.229, 0.224, 0.225)
+
+
+def make_data(steps: int, batch: int, resolution: int, classes: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``steps * batch`` random uint8 NHWC images and labels: the work is the same whatever the pixels."""
+    rng = np.random.default_rng(seed)
+    images = rng.integers(0, 256, size=(steps * batch, resolution, resolution, 3), dtype=np.uint8)
+    labels = rng.integers(0, classes, size=steps * batch).astype(np.int64)
+    return images, labels
+
+
+def build_config(args: argparse.Namespace, storage: str, name: str):
+    from app.config import load_config
+
+    return load_config("demo", {
+        "name": name, "storage": storage,
+        "schedule.epochs": 1, "schedule.warmup_epochs": 0.0, "schedule.eval_resolution": args.resolution,
+        "schedule.phases": [{"until_epoch": 1, "resolution": args.resolution, "batch_size": args.batch,
+                             "min_scale": 1.0}],
+        "scaling.workers": str(args.workers), "scaling.ray_address": "local",
+        "data.demo_classes": args.classes, "report.every_steps": args.report_every,
+        "checkpoint.keep": 1,
+    })
+
+
+# --- (a) plain torch.distributed ------------------------------------------------------------------
+def _plain_worker(rank: int, world: int, folder: str, images: np.ndarray, labels: np.ndarray, cfg_dict: dict,
+                  steps: int, warmup: int) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from app.config import config_from_dict
+    from app.data.plan import rank_slice
+    from app.train.model import build_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
+    cfg = config_from_dict(cfg_dict)
+    batch = cfg.schedule.phases[0].batch_size
+    torch.manual_seed(cfg.scaling.seed)
+    model = build_model(cfg.model, cfg.data.demo_classes)
+    if cfg.model.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    ddp = DDP(model)
+    lr = cfg.optim.lr_per_256 * batch / 256
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.optim.momentum, nesterov=cfg.optim.nesterov,
+                          weight_decay=cfg.optim.weight_decay)
+    loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
+    x_all, y_all = torch.from_numpy(images), torch.from_numpy(labels)
+    mean = torch.tensor(MEAN).view(1, 3, 1, 1) * 255
+    std = torch.tensor(STD).view(1, 3, 1, 1) * 255
+    lo, hi = rank_slice(batch, world, rank)
+    marks: dict[int, float] = {}
+    losses = []
+    for step in range(steps):
+        rows = slice(step * batch + lo, step * batch + hi)
+        x = x_all[rows].permute(0, 3, 1, 2).float().sub_(mean).div_(std)
+        if cfg.model.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        loss = loss_fn(ddp(x), y_all[rows])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        marks[step + 1] = time.perf_counter()
+    if rank == 0:
+        pathlib.Path(folder, "result.json").write_text(json.dumps(
+            {"t_warm": marks[warmup], "t_end": marks[steps], "first_loss": losses[0], "last_loss": losses[-1],
+             "steps": len(losses), "threads": torch.get_num_threads()}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_plain(images: np.ndarray, labels: np.ndarray, cfg_dict: dict, workers: int, steps: int,
+              warmup: int) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        t0 = time.perf_counter()
+        mp.spawn(_plain_worker, args=(workers, folder, images, labels, cfg_dict, steps, warmup), nprocs=workers,
+                 join=True)
+        wall = time.perf_counter() - t0
+        res = json.loads(pathlib.Path(folder, "result.json").read_text())
+    res["steps_per_s"] = (steps - warmup) / (res["t_end"] - res["t_warm"])
+    res["wall_s"] = wall
+    return res
+
+
+# --- (b) lightray ---------------------------------------------------------------------------------
+def _slice_units(units: dict, *, data: list, batch: int, rank: int, world_size: int) -> dict:
+    """Rank's rows of the steps in ``units``: the in-memory stand-in for ``ingest.train_unit_batch``."""
+    import ray
+
+    from app.data.plan import rank_slice
+
+    images, labels = ray.get(data[0])  # zero-copy views of the object-store arrays
+    lo, hi = rank_slice(batch, world_size, rank)
+    idx = [step * batch + i for epoch, step0, n in zip(units["epoch"].tolist(), units["step0"].tolist(),
+                                                       units["nsteps"].tolist())
+           for step in range(step0, step0 + n) for i in range(lo, hi)]
+    idx_a = np.asarray(idx, dtype=np.int64)
+    return {"image": images[idx_a], "label": labels[idx_a], "sample_id": idx_a,
+            "epoch": np.zeros(len(idx_a), dtype=np.int64)}
+
+
+def _val_rows(units: dict, *, data: list, rank: int, world_size: int) -> dict:
+    import ray
+
+    images, labels = ray.get(data[0])
+    idx = np.concatenate([np.arange(s + rank, e, world_size) for s, e in
+                          zip(units["start"].tolist(), units["end"].tolist())]).astype(np.int64)
+    return {"image": images[idx], "label": labels[idx], "sample_id": idx}
+
+
+def _in_memory_data_config(spec, data_ref, val_ref, batch: int):
+    """``PlanDataConfig`` with the map function swapped for a slice of the pre-decoded tensors."""
+    import ray.data
+
+    from app.data.ingest import PlanDataConfig
+
+    class InMemoryPlanDataConfig(PlanDataConfig):
+        def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+            from ray.data import ExecutionOptions
+            from ray.data.context import DataContext
+
+            ctx = DataContext.get_current()
+            options = ExecutionOptions(resource_limits=ctx.execution_options.resource_limits, preserve_order=True)
+            per_rank = ray.data.TaskPoolStrategy(
+                size=max(1, math.ceil(self.spec.map_concurrency / world_size)) if self.spec.map_concurrency else None)
+            out = [{} for _ in range(world_size)]
+            for name, ds in datasets.items():
+                for rank in range(world_size):
+                    if name.startswith("train_p"):
+                        fn, kw = _slice_units, {"data": [data_ref], "batch": batch}
+                    else:
+                        fn, kw = _val_rows, {"data": [val_ref]}
+                    mapped = ds.map_batches(fn, batch_size=1, batch_format="numpy", num_cpus=self.spec.map_cpus,
+                                            compute=per_rank, fn_kwargs={**kw, "rank": rank, "world_size": world_size})
+                    mapped.context.execution_options = options
+                    out[rank][name] = mapped.iterator()
+            return out
+
+    return InMemoryPlanDataConfig(spec)
+
+
+def _train_units(run_dir: str, spec):
+    from app.data.ingest import make_units_dataset, phase_units
+    from app.train import state as st
+
+    st.choose_and_record_resume(run_dir)  # what runner._train_dataset does at each worker-group start
+    return make_units_dataset(phase_units(spec, 0, 0, 0))
+
+
+def _val_units(n: int):
+    import ray.data
+
+    return ray.data.from_items([{"start": 0, "end": n}], override_num_blocks=1)
+
+
+def run_lightray(images: np.ndarray, labels: np.ndarray, cfg, steps: int, warmup: int, val_n: int) -> dict[str, Any]:
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from app.data.ingest import IngestSpec, PhaseSpec, TierShards
+    from app.report.runlog import start_runlog
+    from app.train import state as st
+    from app.train.runner import _limit_data_resources, connect_ray
+    from app.train.worker import train_loop_per_worker
+
+    t0 = time.perf_counter()
+    connect_ray(cfg)
+    ph = cfg.schedule.phases[0]
+    empty = TierShards(ph.resolution, "raw", [], [], [])
+    spec = IngestSpec(seed=cfg.scaling.seed, local_dir=tempfile.gettempdir(), train_size=steps * ph.batch_size,
+                      phases=[PhaseSpec(0, ph.resolution, ph.batch_size, ph.min_scale, 0, 1, empty)], val=empty,
+                      eval_resolution=ph.resolution, val_crop_ratio=cfg.data.val_crop_ratio,
+                      prefetch_batches=cfg.data.prefetch_batches)
+    data_ref = ray.put((images, labels))
+    val_ref = ray.put((images[:val_n], labels[:val_n]))
+    run_dir = st.join(cfg.storage, cfg.name)
+    os.makedirs(run_dir, exist_ok=True)
+    workers = cfg.worker_range()[1]
+    _limit_data_resources(workers * cfg.scaling.cpus_per_worker)
+    runlog = start_runlog(cfg.name, run_dir, cfg.report.tensorboard)
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"cfg": cfg.to_dict(), "spec": spec, "run_dir": run_dir,
+                           "num_classes": cfg.data.demo_classes},
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=False,
+                                     resources_per_worker={"CPU": cfg.scaling.cpus_per_worker}),
+        run_config=RunConfig(name=cfg.name, storage_path=cfg.storage,
+                             failure_config=FailureConfig(max_failures=0),
+                             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep)),
+        datasets={"train_p0": partial(_train_units, run_dir, spec), "val": partial(_val_units, val_n)},
+        dataset_config=_in_memory_data_config(spec, data_ref, val_ref, ph.batch_size),
+    )
+    trainer.fit()
+    ray.get(runlog.flush.remote())
+    wall = time.perf_counter() - t0
+    lines = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    records = [r for r in lines if "event" not in r and "val_top1" not in r]
+    at = {int(r["step"]): r for r in records}
+    if warmup not in at or steps not in at:
+        raise RuntimeError(f"lightray run {run_dir}: no metrics at steps {warmup} and {steps} (have {sorted(at)}); "
+                           "--warmup and --steps must be multiples of --report-every")
+    val = [r for r in lines if "val_top1" in r]
+    dt = at[steps]["elapsed_s"] - at[warmup]["elapsed_s"]
+    return {"steps_per_s": (steps - warmup) / dt, "wall_s": wall, "steps": int(max(at)),
+            "first_loss": records[0]["loss"], "last_loss": at[steps]["loss"],
+            "data_wait_frac": statistics.mean(float(r["data_wait_frac"]) for r in records if r["step"] > warmup),
+            "val_samples": val[-1].get("val_samples") if val else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--warmup", type=int, default=20, help="steps excluded from the timing on both sides")
+    p.add_argument("--batch", type=int, default=128, help="global batch")
+    p.add_argument("--resolution", type=int, default=32)
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--report-every", type=int, default=5, help="lightray's report.every_steps")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: checks that the bench works, not speed")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup, args.batch, args.report_every = 12, 4, 32, 4
+    for key in ("steps", "warmup"):
+        if getattr(args, key) % args.report_every:
+            p.error(f"--{key}={getattr(args, key)}: expected a multiple of --report-every={args.report_every}")
+    if not 0 < args.warmup < args.steps:
+        p.error(f"--warmup={args.warmup}: expected 0 < warmup < --steps={args.steps}")
+    if args.batch < args.workers:
+        p.error(f"--batch={args.batch}: expected at least --workers={args.workers}")
+
+    machine = Machine()
+    images, labels = make_data(args.steps, args.batch, args.resolution, args.classes)
+    with tempfile.TemporaryDirectory(prefix="bench-overhead-") as storage:
+        cfg = build_config(args, storage, f"overhead-{int(time.time())}")
+        note(f"plain DDP ({args.workers} gloo processes), run 1 of 2")
+        plain1 = run_plain(images, labels, cfg.to_dict(), args.workers, args.steps, args.warmup)
+        note(f"plain run 1: {plain1['steps_per_s']:.2f} steps/s; lightray TorchTrainer + Ray Data")
+        light = run_lightray(images, labels, cfg, args.steps, args.warmup, val_n=min(len(labels), 2 * args.batch))
+        note(f"lightray: {light['steps_per_s']:.2f} steps/s; plain run 2 of 2")
+        plain2 = run_plain(images, labels, cfg.to_dict(), args.workers, args.steps, args.warmup)
+        import ray
+
+        ray.shutdown()
+    plain_sps = (plain1["steps_per_s"] + plain2["steps_per_s"]) / 2
+    figures = {
+        "workers": args.workers, "model": cfg.model.arch, "resolution": args.resolution, "global_batch": args.batch,
+        "steps": args.steps, "warmup_steps_excluded": args.warmup,
+        "plain_steps_per_s": round(plain_sps, 3),
+        "plain_steps_per_s_runs": [round(plain1["steps_per_s"], 3), round(plain2["steps_per_s"], 3)],
+        "plain_images_per_s": round(plain_sps * args.batch, 1),
+        "plain_wall_s_runs": [round(plain1["wall_s"], 1), round(plain2["wall_s"], 1)],
+        "plain_steps_done": plain1["steps"], "plain_loss_first_last": [plain1["first_loss"], plain1["last_loss"]],
+        "plain_torch_threads": plain1["threads"],
+        "lightray_steps_per_s": round(light["steps_per_s"], 3),
+        "lightray_images_per_s": round(light["steps_per_s"] * args.batch, 1),
+        "lightray_wall_s": round(light["wall_s"], 1), "lightray_steps_done": light["steps"],
+        "lightray_loss_first_last": [light["first_loss"], light["last_loss"]],
+        "lightray_data_wait_frac": round(light["data_wait_frac"], 4),
+        "lightray_val_samples": light["val_samples"],
+    }
+    ratios = {"lightray_over_plain_steps_per_s": ratio(light["steps_per_s"], plain_sps)}
+    emit("overhead", figures, ratios, machine.finish(quick=args.quick))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,137 @@
+"""Fault tolerance across nodes (issue 6, items a, c, f): real Ray nodes on this machine (ray.cluster_utils), a
+real driver process (`python app/run.py --smoke-test` joined to that cluster), one Train worker per worker node
+(`--scaling.worker_resources={trainer: 1}`), real gloo DDP. The audit is what the final model carries: per epoch,
+the sample ids of the steps that survived every rollback equal the epoch plan's exactly."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from app.train.spot_watcher import drain_node_for_preemption
+from tests.faults import (
+    NodeCluster,
+    carried_samples,
+    checkpoints,
+    cluster_driver,
+    events,
+    finish,
+    kill_group,
+    last_samples,
+    planned_samples,
+    run_schedule,
+    same_multiset,
+    steps_for,
+    train_records,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slow
+EPOCH0 = 8 * 64  # samples in each of the first two epochs (512 // 64 steps of 64)
+
+
+@pytest.fixture
+def nodes():
+    with NodeCluster(workers=2) as c:
+        yield c
+
+
+def _summary(run):
+    return json.loads((run / "summary.json").read_text())
+
+
+def _checkpoint_samples(run) -> set[int]:
+    return {int(p.name.split("_")[1]) for p in checkpoints(run)}
+
+
+def test_lost_node_is_replaced_and_the_model_carries_each_planned_sample_once(nodes, tmp_path, shared_cache):
+    proc = cluster_driver(nodes, tmp_path, "lost", cache=shared_cache)
+    run = tmp_path / "lost"
+    try:
+        # After the first checkpoint and some steps past it, so that the failure rolls work back.
+        wait_for(lambda: checkpoints(run) and last_samples(run) > min(_checkpoint_samples(run)), 300,
+                 "a checkpoint and a step past it", proc)
+        nodes.remove_worker()  # a Train worker's machine gone, no notice
+        lost_at = last_samples(run)
+        nodes.add_worker()  # the autoscaler's replacement
+        out = finish(proc, timeout=420)
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+    summary = _summary(run)
+    assert summary["status"] == "finished", out[-3000:]
+    assert summary["restarts"] >= 1
+    restart = events(run, "restart")[0]
+    assert restart["samples_seen"] in _checkpoint_samples(run) | {0} and restart["samples_seen"] <= lost_at
+    assert summary["samples_seen"] == 2 * EPOCH0 + 2 * 16 * 32
+    carried, planned = carried_samples(run), planned_samples(run)
+    assert sorted(carried) == [0, 1, 2, 3]
+    assert same_multiset(carried, planned) == {}
+
+
+def test_elastic_run_shrinks_to_one_worker_and_grows_back_on_the_recipes_lr_and_global_batch(
+        nodes, tmp_path, shared_cache):
+    # 8 epochs (112 steps): the world-size-1 stretch must last past the scale-up's start.
+    proc = cluster_driver(nodes, tmp_path, "elastic", "--workers", "1:2", "--scaling.resize_check_s=2",
+                          cache=shared_cache, epochs=8)
+    run = tmp_path / "elastic"
+    try:
+        wait_for(lambda: checkpoints(run), 300, "the first checkpoint", proc)
+        assert {r["world_size"] for r in train_records(run)} == {2}
+        nodes.remove_worker()
+        wait_for(lambda: any(r["world_size"] == 1 for r in train_records(run)), 300, "steps at world size 1", proc)
+        nodes.add_worker()
+        out = finish(proc, timeout=480)
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+    summary = _summary(run)
+    assert summary["status"] == "finished", out[-3000:]
+    assert [(e["from"], e["to"]) for e in events(run, "resize")] == [(2, 1), (1, 2)]
+    assert summary["resizes"] == 2
+    train = train_records(run)
+    sizes = [r["world_size"] for r in train]
+    assert sizes[0] == 2 and 1 in sizes and 2 in sizes[sizes.index(1):] and sizes[-1] == 2
+    sched = run_schedule(run)
+    for r in train:
+        # worker.py sets the LR from samples_seen *before* the step, then adds the phase batch and reports: the
+        # value reported with samples_seen S is the LR of the step that started at S - batch.
+        before = r["samples_seen"] - r["batch_size"]
+        assert r["batch_size"] == sched.phase_at(before).batch_size, r
+        assert r["lr"] == sched.lr_at(before), r
+        # Steps taken = the recipe's steps to reach S: every step consumed one recipe global batch, at any world size.
+        assert r["step"] == steps_for(sched, r["samples_seen"]), r
+    assert summary["samples_seen"] == sched.total_samples == 2 * EPOCH0 + 6 * 16 * 32
+    assert same_multiset(carried_samples(run), planned_samples(run)) == {}
+
+
+def test_preemption_notice_checkpoints_and_the_restart_loses_no_work(nodes, tmp_path, shared_cache):
+    proc = cluster_driver(nodes, tmp_path, "notice", cache=shared_cache)
+    run = tmp_path / "notice"
+    try:
+        wait_for(lambda: checkpoints(run), 300, "the first checkpoint", proc)
+        doomed = nodes.nodes[0]
+        deadline_ms = int((time.time() + 120) * 1000)
+        accepted, why = drain_node_for_preemption(doomed.node_id, deadline_ms, "test: spot interruption notice")
+        assert accepted, why
+        nodes.add_worker()  # the replacement, launched when the notice came
+        wait_for(lambda: events(run, "restart"), 300, "the restart off the draining node", proc)
+        nodes.remove_worker(doomed)  # the machine goes away once Ray Train has left it
+        out = finish(proc, timeout=420)
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+    summary = _summary(run)
+    assert summary["status"] == "finished", out[-3000:]
+    (notice,) = events(run, "preemption_checkpoint")
+    saved = notice["samples_seen"]
+    assert saved in {int(p.name.split("_")[1]) for p in run.glob("checkpoint_*")}
+    restart = events(run, "restart")[0]
+    assert restart["samples_seen"] == saved and restart["checkpoint"].endswith(f"checkpoint_{saved:012d}")
+    assert summary["preemption_checkpoints"] == 1 and summary["restarts"] >= 1
+    first = summary["lost_work"][0]
+    assert first["resumed_at"] == saved and first["lost_samples"] == 0, summary["lost_work"]
+    assert summary["samples_seen"] == 2 * EPOCH0 + 2 * 16 * 32
+    assert same_multiset(carried_samples(run), planned_samples(run)) == {}
