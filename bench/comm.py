@@ -231,7 +231,7 @@ def _accuracy_runs(storage: str, extra: dict[str, Any], stamp: str, out: dict[st
             t0 = time.time()
             summary = run_training(cfg, progress=False)
             out[name] = {"final_top1": summary.get("final_top1"), "best_top1": summary.get("best_top1"),
-                         "comm_bytes": summary.get("comm_bytes", summary.get("bytes_communicated")),
+                         "comm_bytes": summary.get("comm_bytes_per_worker"),
                          "wall_s": round(time.time() - t0, 1)}
         except Exception as exc:  # noqa: BLE001 - one failed variant must not hide the others' figures
             out[name] = {"error": f"{type(exc).__name__}: {exc}"}

@@ -190,7 +190,12 @@ def main(argv: list[str] | None = None) -> int:
             figures[f"baseline_{s}px_peak_mb"] = round(peak)
 
         # address="local": a cluster of exactly this CPU budget, never someone else's running one.
-        ray.init(address="local", num_cpus=cores, include_dashboard=False, log_to_driver=False)
+        try:
+            ray.init(address="local", num_cpus=cores, include_dashboard=False, log_to_driver=False)
+        except Exception as exc:  # "node timed out during startup" on an overloaded machine: one more try
+            print(f"bench.pipeline: ray.init failed ({exc}); retrying once", file=sys.stderr)
+            ray.shutdown()
+            ray.init(address="local", num_cpus=cores, include_dashboard=False, log_to_driver=False)
         from ray.data import DataContext
 
         DataContext.get_current().enable_progress_bars = False

@@ -123,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", metavar="DIR", help="write the runs here and keep them")
     args = p.parse_args(argv)
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+    # Ray's driver prints node deaths (the very thing measured here) to stdout from a background thread: send
+    # everything to stderr while measuring, so that stdout carries only the one JSON line.
+    sys.stdout.flush()
+    json_out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     load_before = os.getloadavg()
     tmp = tempfile.TemporaryDirectory(prefix="bench-recovery-")
     base = pathlib.Path(args.keep or tmp.name)
@@ -155,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                        "loadavg_before": [round(x, 2) for x in load_before],
                        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
                        "nodes": "ray.cluster_utils.Cluster: head (2 CPU) + 2 worker nodes (1 CPU, trainer=1)"}}
-    print(json.dumps(out))
+    print(json.dumps(out), file=json_out, flush=True)
     tmp.cleanup()
     return 0
 

@@ -177,9 +177,10 @@ class NodeCluster:
     Cluster() points this host's "current cluster" file at itself: it is put back on exit so that other users
     of the machine (``ray.init(address="auto")``) find their own cluster again. The nodes run with token auth
     (``RAY_AUTH_MODE=token`` and ``~/.ray/auth_token``), which the driver subprocess inherits through the
-    environment; a client without it cannot connect to a token cluster, and one with it cannot connect to a
-    cluster without, so both sides are pinned explicitly here rather than left to whatever a previous
-    ``ray.init()`` in this process set. Ray Train's drain poll (5 s by default) is shortened to 0.5 s.
+    environment. A client whose process still has auth disabled is refused by a token GCS ("InvalidAuthToken"),
+    and an earlier local ``ray.init()`` in the same process turns token mode on behind one's back, so the mode is
+    pinned explicitly (and this process's cached Ray config refreshed) rather than left to history. Ray Train's
+    drain poll (5 s by default) is shortened to 0.5 s.
     """
 
     ENV = {"RAY_AUTH_MODE": "token", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"}

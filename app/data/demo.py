@@ -20,8 +20,10 @@ from PIL import Image, ImageDraw, ImageFilter
 
 from app.config import DataConfig
 
-SHAPES = ("circle", "ring", "triangle", "square", "plus", "cross", "star", "hexagon", "crescent", "pair",
-          "arrow", "heart")
+SHAPES = ("circle", "ring", "triangle", "square", "plus", "cross", "star", "crescent", "pair", "arrow",
+          "hexagon", "heart")
+# Shapes keep their orientation up to a small jitter: a plus turned by 45 degrees would be a cross.
+ROTATION_JITTER = 0.3  # radians
 MARKER = "demo.json"
 
 
@@ -104,20 +106,21 @@ def render_image(seed: int, split: str, label: int, index: int, shapes: tuple = 
     h = int(np.clip(w * math.exp(rng.uniform(-0.45, 0.45)), 64, 200))
     bg = _random_color(rng)
     # Background texture: smooth random noise around the background colour.
-    noise = rng.normal(0, 24, size=(max(2, h // 8), max(2, w // 8), 3))
+    noise = rng.normal(0, 16, size=(max(2, h // 8), max(2, w // 8), 3))
     tex = Image.fromarray(np.clip(np.array(bg) + noise, 0, 255).astype(np.uint8)).resize((w, h), Image.BILINEAR)
     draw = ImageDraw.Draw(tex)
     # Clutter: lines and dots in random colours that belong to no class.
-    for _ in range(int(rng.integers(2, 7))):
+    for _ in range(int(rng.integers(1, 5))):
         x0, y0, x1, y1 = rng.uniform(0, w), rng.uniform(0, h), rng.uniform(0, w), rng.uniform(0, h)
         draw.line([(x0, y0), (x1, y1)], fill=_random_color(rng), width=int(rng.integers(1, 3)))
     for _ in range(int(rng.integers(0, 5))):
         x, y, rr = rng.uniform(0, w), rng.uniform(0, h), rng.uniform(1.5, 4)
         draw.ellipse([x - rr, y - rr, x + rr, y + rr], fill=_random_color(rng))
-    r = rng.uniform(0.22, 0.38) * min(w, h)
+    r = rng.uniform(0.28, 0.42) * min(w, h)
     cx = rng.uniform(r + 2, w - r - 2)
     cy = rng.uniform(r + 2, h - r - 2)
-    draw_shape(draw, shapes[label], cx, cy, r, rng.uniform(0, 2 * math.pi), _far_color(rng, bg), bg)
+    rot = rng.uniform(-ROTATION_JITTER, ROTATION_JITTER)
+    draw_shape(draw, shapes[label], cx, cy, r, rot, _far_color(rng, bg), bg)
     if rng.random() < 0.3:
         tex = tex.filter(ImageFilter.GaussianBlur(radius=float(rng.uniform(0.3, 1.0))))
     return tex
@@ -154,7 +157,7 @@ def generate_demo(root: str | os.PathLike, *, seed: int = 0, num_classes: int = 
 
 def demo_params(cfg: DataConfig) -> dict:
     return {"seed": cfg.demo_seed, "num_classes": cfg.demo_classes, "train_per_class": cfg.demo_train_per_class,
-            "val_per_class": cfg.demo_val_per_class, "version": 1}
+            "val_per_class": cfg.demo_val_per_class, "version": 2}
 
 
 def ensure_demo(root: str | os.PathLike, cfg: DataConfig) -> str:

@@ -58,7 +58,9 @@ def connect_ray(cfg: Config, verbose: bool = False) -> None:
     (Train workers reserve CPUs; Ray Data's tasks need some left or the run stalls)."""
     if ray.is_initialized():
         return
-    kwargs: dict[str, Any] = {"log_to_driver": verbose, "include_dashboard": False}
+    # The dashboard brings the State API, which Ray Train needs to clean up the placement group of a trial
+    # that Tune stopped early; without it stopped trials keep their CPUs and later trials wait forever.
+    kwargs: dict[str, Any] = {"log_to_driver": verbose, "include_dashboard": True}
     try:
         from app.report.progress import quiet_ray_logging
 

@@ -84,8 +84,7 @@ def train_loop_per_worker(config: dict) -> None:
     torch.manual_seed(cfg.scaling.seed)  # same initial weights on every rank
     model = to_device(build_model(cfg.model, config["num_classes"]), device, cfg.model)
     topo = topology_from_ray()
-    bucket_mb, evidence = (cfg.comm.bucket_mb, {"pinned": True}) if cfg.comm.bucket_mb > 0 else \
-        choose_bucket_mb(model, world, device)
+    bucket_mb, evidence = choose_bucket_mb(model, world, device, pinned_mb=cfg.comm.bucket_mb)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket_mb,
               gradient_as_bucket_view=True)
     comm = CommHook(cfg.comm, topo, device)
@@ -273,6 +272,7 @@ def train_loop_per_worker(config: dict) -> None:
             break
     if sample_log is not None:
         sample_log.close()
+    report({"event": "unit", "unit": "comm", "message": comm.describe(), "stats": comm.stats()})
     if rank == 0:
         report({"event": "end", "samples_seen": counters["samples_seen"], "wall_s": time.time() - t_start})
     if dist.is_initialized():
