@@ -87,8 +87,9 @@ def carried_samples(run_dir: pathlib.Path) -> dict[int, list[int]]:
     Each worker-group start logs its steps per rank; a later start that resumed from an earlier checkpoint
     replays (and so replaces) the steps after it, so later starts override earlier ones step by step."""
     attempts: dict[tuple, dict[int, dict]] = defaultdict(dict)
-    for f in sorted((run_dir / "sample_log").glob("start*_rank*.jsonl")):
-        start = int(f.name.split("_")[0].removeprefix("start"))
+    for f in sorted((run_dir / "sample_log").glob("start*_attempt*_rank*.jsonl")):
+        parts = f.stem.split("_")
+        start = int(parts[1].removeprefix("attempt"))  # attempts in time order (rank 0's clock)
         rank = int(f.stem.split("_rank")[1])
         for line in f.read_text().splitlines():
             rec = json.loads(line)
@@ -96,7 +97,7 @@ def carried_samples(run_dir: pathlib.Path) -> dict[int, list[int]]:
             attempts[start][rec["samples_seen"]]["ids"][rank] = rec["ids"]
     final: dict[int, dict] = {}
     for start in sorted(attempts):
-        # A resumed start replaces every step from its first one on.
+        # A resumed attempt replaces every step from its first one on.
         first = min(attempts[start])
         final = {k: v for k, v in final.items() if k < first}
         final.update(attempts[start])

@@ -118,7 +118,8 @@ def test_current_price_key_without_ray_is_the_default():
 
 
 def test_cost_table_in_the_cluster_docs_matches_the_configured_prices():
-    # README.md ("Run on a cluster") prices a 16 x 8-GPU run (+ 15 min of boot and idle time on every machine, + the head)
+    # README.md ("Run on a cluster") prices a 16 x 8-GPU run (+ 15 min of boot and idle time on every machine,
+    # + the head)
     # with the default prices; the table must move when the prices do.
     import pathlib
     import re

@@ -25,7 +25,10 @@ BASE = {"params": {"optim.lr_per_256": {"dist": "loguniform", "low": 0.01, "high
 
 @pytest.fixture(scope="module")
 def demo_cfg():
-    return load_config("demo", {})
+    # Pinned phases (the shape of an earlier demo recipe) so these tests do not move with the recipe.
+    return load_config("demo", {"schedule.epochs": 10, "schedule.phases": (
+        "[{until_epoch: 4, resolution: 32, batch_size: 256}, {until_epoch: 8, resolution: 48, batch_size: 192},"
+        " {until_epoch: 10, resolution: 64, batch_size: 128}]")})
 
 
 def space(**over):
@@ -142,7 +145,8 @@ def test_budget_cuts_or_stretches_phases_and_warmup(demo_cfg):
     assert [(p.until_epoch, p.resolution) for p in cut.schedule.phases] == [(4, 32), (5, 48)]
     long = base_for_trials(demo_cfg, parse_space(space(budget={"epochs": 14}), demo_cfg))
     assert [p.until_epoch for p in long.schedule.phases] == [4, 8, 14]
-    short_cfg = load_config("demo", {"schedule.warmup_epochs": 3})
+    short_cfg = load_config("demo", {"schedule.warmup_epochs": 3, "schedule.phases": "[{until_epoch: 16, resolution: "
+                                     "32, batch_size: 128}]"})
     short = base_for_trials(short_cfg, parse_space(space(budget={"epochs": 2}), short_cfg))
     assert short.schedule.warmup_epochs == 2 and len(short.schedule.phases) == 1
 

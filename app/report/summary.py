@@ -64,6 +64,7 @@ def lost_work(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 out.append({"lost_samples": max(0, last_seen["samples_seen"] - r.get("samples_seen", 0)),
                             "lost_seconds": max(0.0, last_seen["time"] - r["ckpt_time"]) if r.get("ckpt_time")
                             else None,
+                            # from the last step reported before the failure to the new group's start
                             "restart_overhead_s": max(0.0, r["time"] - last_seen.get("time", r["time"])),
                             "resumed_at": r.get("samples_seen", 0)})
         elif "event" not in r and "samples_seen" in r:

@@ -134,7 +134,13 @@ def train_loop_per_worker(config: dict) -> None:
     sample_log = None
     if cfg.report.log_samples and "://" not in run_dir:
         os.makedirs(os.path.join(run_dir, "sample_log"), exist_ok=True)
-        sample_log = open(os.path.join(run_dir, "sample_log", f"start{counters['starts']}_rank{rank}.jsonl"), "a")
+        # One file per rank and attempt; the attempt id (rank 0's clock) orders attempts that resumed from
+        # the same checkpoint, so an audit can tell which replay the final model carries.
+        attempt = torch.tensor([int(time.time() * 1000)], dtype=torch.int64, device=device)
+        if dist.is_initialized():
+            dist.broadcast(attempt, 0)
+        sample_log = open(os.path.join(run_dir, "sample_log",
+                                       f"start{counters['starts']}_attempt{int(attempt.item())}_rank{rank}.jsonl"), "a")
 
     # --- state capture ---------------------------------------------------------------------------
     def save(reason: str, metrics: dict) -> None:
