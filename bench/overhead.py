@@ -1,13 +1,13 @@
 """Framework overhead: lightray's training path against a plain torch.distributed script, same work.
 
-    python -m bench.overhead                   # 2 workers, resnet_tiny, 32 px, global batch 128, 80 steps
+    python -m bench.overhead                   # 2 workers, resnet_tiny, 32 px, global batch 128, 400 steps
     python -m bench.overhead --quick           # a correctness run in well under a minute of training
     python -m bench.overhead --resolution 64 --batch 64 --steps 120 --warmup 20
 
 Both sides train the same model (``app.train.model.build_model``, resnet_tiny, same seed, channels_last
 as in the demo recipe), on the same pre-decoded uint8 NHWC tensors (random pixels and labels made once
-in this process), with the same global batch, number of steps and worker count. Steps/s are measured
-after the first ``--warmup`` steps on both sides, over the same step range.
+in this process; a pool of 50 global batches, cycled), with the same global batch, number of steps and
+worker count. Steps/s are measured after the first ``--warmup`` steps on both sides, over the same range.
 
 (a) plain: ``torch.multiprocessing`` spawns ``--workers`` processes, gloo process group (file store),
     ``DistributedDataParallel``, ``torch.optim.SGD`` (momentum 0.9, nesterov, the recipe's weight decay),
@@ -42,6 +42,8 @@ import math
 import os
 import pathlib
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from functools import partial
@@ -50,17 +52,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.common import Machine, emit, note, ratio, read_jsonl
+from bench.common import REPO, Machine, emit, note, ratio, read_jsonl
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
 
 
+POOL_STEPS = 50  # distinct global batches held in memory; step s trains on batch s % POOL_STEPS
+
+
 def make_data(steps: int, batch: int, resolution: int, classes: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """``steps * batch`` random uint8 NHWC images and labels: the work is the same whatever the pixels."""
+    """``min(steps, POOL_STEPS) * batch`` random uint8 NHWC images and labels (the work is the same whatever
+    the pixels; cycling a pool keeps long runs small in memory and in the object store)."""
     rng = np.random.default_rng(seed)
-    images = rng.integers(0, 256, size=(steps * batch, resolution, resolution, 3), dtype=np.uint8)
-    labels = rng.integers(0, classes, size=steps * batch).astype(np.int64)
+    n = min(steps, POOL_STEPS) * batch
+    images = rng.integers(0, 256, size=(n, resolution, resolution, 3), dtype=np.uint8)
+    labels = rng.integers(0, classes, size=n).astype(np.int64)
     return images, labels
 
 
@@ -108,7 +115,8 @@ def _plain_worker(rank: int, world: int, folder: str, images: np.ndarray, labels
     marks: dict[int, float] = {}
     losses = []
     for step in range(steps):
-        rows = slice(step * batch + lo, step * batch + hi)
+        base = (step % POOL_STEPS) * batch
+        rows = slice(base + lo, base + hi)
         x = x_all[rows].permute(0, 3, 1, 2).float().sub_(mean).div_(std)
         if cfg.model.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
@@ -150,7 +158,7 @@ def _slice_units(units: dict, *, data: list, batch: int, rank: int, world_size: 
 
     images, labels = ray.get(data[0])  # zero-copy views of the object-store arrays
     lo, hi = rank_slice(batch, world_size, rank)
-    idx = [step * batch + i for epoch, step0, n in zip(units["epoch"].tolist(), units["step0"].tolist(),
+    idx = [(step % POOL_STEPS) * batch + i for epoch, step0, n in zip(units["epoch"].tolist(), units["step0"].tolist(),
                                                        units["nsteps"].tolist())
            for step in range(step0, step0 + n) for i in range(lo, hi)]
     idx_a = np.asarray(idx, dtype=np.int64)
@@ -267,16 +275,29 @@ def run_lightray(images: np.ndarray, labels: np.ndarray, cfg, steps: int, warmup
             "val_samples": val[-1].get("val_samples") if val else None}
 
 
+def lightray_in_child(argv: list[str]) -> dict[str, Any]:
+    """Run (b) in a child process in its own session. Seen here: after a Ray driver session (dashboard on)
+    ended in this process, the process later exited with status 0 in the middle of the second plain run,
+    printing nothing; keeping Ray out of the parent process avoids that."""
+    out = subprocess.run([sys.executable, "-m", "bench.overhead", *argv, "--lightray-child"], cwd=REPO,
+                         stdout=subprocess.PIPE, text=True, start_new_session=True)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"lightray side failed (exit status {out.returncode}); see its stderr above")
+    return json.loads(lines[-1])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--steps", type=int, default=80)
-    p.add_argument("--warmup", type=int, default=20, help="steps excluded from the timing on both sides")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--warmup", type=int, default=100, help="steps excluded from the timing on both sides")
     p.add_argument("--batch", type=int, default=128, help="global batch")
     p.add_argument("--resolution", type=int, default=32)
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--report-every", type=int, default=5, help="lightray's report.every_steps")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks that the bench works, not speed")
+    p.add_argument("--lightray-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.batch, args.report_every = 12, 4, 32, 4
@@ -288,6 +309,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch < args.workers:
         p.error(f"--batch={args.batch}: expected at least --workers={args.workers}")
 
+    if args.lightray_child:  # (b) alone, its result as one JSON line for the parent
+        images, labels = make_data(args.steps, args.batch, args.resolution, args.classes)
+        with tempfile.TemporaryDirectory(prefix="bench-overhead-") as storage:
+            cfg = build_config(args, storage, f"overhead-{int(time.time())}")
+            light = run_lightray(images, labels, cfg, args.steps, args.warmup,
+                                 val_n=min(len(labels), 2 * args.batch))
+        sys.stdout.write(json.dumps(light) + "\n")
+        sys.stdout.flush()
+        os._exit(0)  # skip Ray's own exit handlers: the result is out
     machine = Machine()
     images, labels = make_data(args.steps, args.batch, args.resolution, args.classes)
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as storage:
@@ -295,12 +325,9 @@ def main(argv: list[str] | None = None) -> int:
         note(f"plain DDP ({args.workers} gloo processes), run 1 of 2")
         plain1 = run_plain(images, labels, cfg.to_dict(), args.workers, args.steps, args.warmup)
         note(f"plain run 1: {plain1['steps_per_s']:.2f} steps/s; lightray TorchTrainer + Ray Data")
-        light = run_lightray(images, labels, cfg, args.steps, args.warmup, val_n=min(len(labels), 2 * args.batch))
+        light = lightray_in_child(argv if argv is not None else sys.argv[1:])
         note(f"lightray: {light['steps_per_s']:.2f} steps/s; plain run 2 of 2")
         plain2 = run_plain(images, labels, cfg.to_dict(), args.workers, args.steps, args.warmup)
-        import ray
-
-        ray.shutdown()
     plain_sps = (plain1["steps_per_s"] + plain2["steps_per_s"]) / 2
     figures = {
         "workers": args.workers, "model": cfg.model.arch, "resolution": args.resolution, "global_batch": args.batch,

@@ -102,12 +102,17 @@ def choose_bucket_mb(model: torch.nn.Module, world_size: int, device: torch.devi
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=process_group)
     agreed = times.cpu().tolist()
     alpha, beta = fit_alpha_beta([float(s) for s in sizes], agreed)
-    chosen = optimal_bucket_mb(grad, alpha, beta, min_mb=min_mb)
+    # sqrt(S alpha / beta) is the optimum of the continuous model; with whole buckets (ceil) and the clamps a
+    # neighbour can do better, so the final pick is the cheapest of it, equal splits of the gradient, and 25 MB.
+    candidates = {optimal_bucket_mb(grad, alpha, beta, min_mb=min_mb), TORCH_DEFAULT_MB}
+    candidates |= {round(max(min_mb, grad / k / MB), 3) for k in range(1, 33)}
+    chosen = min(sorted(candidates), key=lambda mb: exposed_cost(mb * MB, grad, alpha, beta))
     evidence.update(
         pinned=False, sizes_bytes=sizes, allreduce_s=[round(x, 6) for x in agreed], alpha_s=alpha,
         beta_s_per_byte=beta, bandwidth_gbps=round(8 / beta / 1e9, 3),
         modelled_exposed_s={"chosen": exposed_cost(chosen * MB, grad, alpha, beta),
                             "torch_default_25mb": exposed_cost(TORCH_DEFAULT_MB * MB, grad, alpha, beta)},
-        rule="b* = sqrt(grad_bytes * alpha / beta), clamped to [min_mb, grad size]",
+        rule="cheapest modelled of b* = sqrt(grad_bytes * alpha / beta) (clamped to [min_mb, grad size]), "
+             "grad/k for k = 1..32, and 25 MB",
         measure_s=round(time.perf_counter() - t0, 3))
     return chosen, evidence
