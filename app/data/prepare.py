@@ -38,6 +38,7 @@ import pyarrow.parquet as pq
 
 from app.data import images
 from app.data.manifest import BAD_FILES, MANIFEST, Manifest, read_json, sha256_stream, write_bytes_atomic
+from app.data.shard_cache import default_local_dir
 from app.data.source import (
     DataError,
     SourceListing,
@@ -437,7 +438,7 @@ def prepare_main(cfg: Config) -> pathlib.Path | str:
         from app.data.demo import ensure_demo
 
         # The demo tree is written with local file I/O: next to a local cache, else in the node-local dir.
-        demo_parent = cache_root if not is_uri(cache_root) else (cfg.data.local_cache_dir or "/tmp/lightray-cache")
+        demo_parent = cache_root if not is_uri(cache_root) else (cfg.data.local_cache_dir or default_local_dir())
         os.makedirs(demo_parent, exist_ok=True)
         source = ensure_demo(demo_parent, cfg.data)
     limit = {"train": cfg.data.limit_train, "val": cfg.data.limit_val}

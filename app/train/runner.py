@@ -22,12 +22,13 @@ from app.config import Config
 from app.data.ingest import (
     IngestSpec,
     PhaseSpec,
-    TierShards,
     finalize_spec,
     make_units_dataset,
     phase_units,
+    tier_shards,
     val_dataset,
 )
+from app.data.shard_cache import default_local_dir
 from app.schedule import Schedule
 from app.train import state as st
 
@@ -88,14 +89,6 @@ def eval_resolution(cfg: Config) -> int:
     return cfg.schedule.eval_resolution or cfg.schedule.phases[-1].resolution
 
 
-def _tier(manifest, split: str, want: int) -> TierShards:
-    tiers = sorted(int(t) for t in manifest.tiers(split))
-    chosen = next((t for t in tiers if t >= want), tiers[-1])
-    shards = manifest.shards(split, chosen)
-    return TierShards(chosen, manifest.format(split, chosen), [s.uri for s in shards], [s.sha256 for s in shards],
-                      [s.rows for s in shards])
-
-
 def build_ingest_spec(cfg: Config, manifest) -> tuple[IngestSpec, Schedule]:
     train_size = manifest.num_samples("train")
     sched = Schedule(cfg.schedule, cfg.optim, train_size)
@@ -103,11 +96,11 @@ def build_ingest_spec(cfg: Config, manifest) -> tuple[IngestSpec, Schedule]:
     for i, ph in enumerate(cfg.schedule.phases):
         end = min(ph.until_epoch, sched.epochs)
         phases.append(PhaseSpec(i, ph.resolution, ph.batch_size, ph.min_scale, first, end,
-                                _tier(manifest, "train", ph.resolution)))
+                                tier_shards(manifest, "train", ph.resolution)))
         first = end
-    spec = IngestSpec(seed=cfg.scaling.seed, local_dir=cfg.data.local_cache_dir or "/tmp/lightray-cache",
+    spec = IngestSpec(seed=cfg.scaling.seed, local_dir=cfg.data.local_cache_dir or default_local_dir(),
                       train_size=train_size, phases=phases,
-                      val=_tier(manifest, "val", round(eval_resolution(cfg) / cfg.data.val_crop_ratio)
+                      val=tier_shards(manifest, "val", round(eval_resolution(cfg) / cfg.data.val_crop_ratio)
                                 if cfg.data.val_mode == "center" else eval_resolution(cfg)),  # rect: no crop margin
                       eval_resolution=eval_resolution(cfg), val_crop_ratio=cfg.data.val_crop_ratio,
                       map_concurrency=cfg.data.preprocess_concurrency or None,
@@ -124,10 +117,6 @@ def _train_dataset(run_dir: str, spec: IngestSpec, sched: Schedule, phase: int):
     pos = sched.locate(point.samples_seen)
     return make_units_dataset(phase_units(spec, phase, pos.epoch, pos.step_in_epoch)
                               if point.samples_seen < sched.total_samples else [])
-
-
-def _val_dataset(spec: IngestSpec):
-    return val_dataset(spec)
 
 
 def _limit_data_resources(train_cpus: float) -> None:
@@ -179,7 +168,7 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
     _limit_data_resources(hi * cfg.scaling.cpus_per_worker)
     runlog = start_runlog(cfg.name, local_run_dir, cfg.report.tensorboard)
     datasets = {f"train_p{i}": partial(_train_dataset, run_dir, spec, sched, i) for i in range(len(spec.phases))}
-    datasets["val"] = partial(_val_dataset, spec)
+    datasets["val"] = partial(val_dataset, spec)
     from app.data.ingest import PlanDataConfig
 
     trainer = TorchTrainer(
