@@ -63,11 +63,36 @@ def driver(storage: pathlib.Path, name: str, *args: str, cache: pathlib.Path, ad
                             env={**os.environ, **(env or {})}, start_new_session=True)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc), children first found first."""
+    children: dict[int, list[int]] = defaultdict(list)
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children[int(fields[1])].append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 def kill_group(proc: subprocess.Popen) -> None:
+    """Kill the driver and everything it started, as losing its machine would: the local Ray cluster's
+    processes start sessions of their own, so the process group alone does not reach them."""
+    tree = descendants(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.wait(timeout=60)
 
 
