@@ -104,8 +104,10 @@ def choose_bucket_mb(model: torch.nn.Module, world_size: int, device: torch.devi
     alpha, beta = fit_alpha_beta([float(s) for s in sizes], agreed)
     # sqrt(S alpha / beta) is the optimum of the continuous model; with whole buckets (ceil) and the clamps a
     # neighbour can do better, so the final pick is the cheapest of it, equal splits of the gradient, and 25 MB.
-    candidates = {optimal_bucket_mb(grad, alpha, beta, min_mb=min_mb), TORCH_DEFAULT_MB}
-    candidates |= {round(max(min_mb, grad / k / MB), 3) for k in range(1, 33)}
+    # (25 MB counts only below the gradient size; above it, it is the same one bucket as k = 1.)
+    candidates = {optimal_bucket_mb(grad, alpha, beta, min_mb=min_mb)}
+    candidates |= {max(min_mb, grad / k / MB) for k in range(1, 33)}  # exact: k whole buckets, never above S
+    candidates |= {TORCH_DEFAULT_MB} if TORCH_DEFAULT_MB * MB <= grad else set()
     chosen = min(sorted(candidates), key=lambda mb: exposed_cost(mb * MB, grad, alpha, beta))
     evidence.update(
         pinned=False, sizes_bytes=sizes, allreduce_s=[round(x, 6) for x in agreed], alpha_s=alpha,
