@@ -178,11 +178,7 @@ def test_smoke_run_survives_a_spot_loss_on_the_autoscaling_cluster():
     entry = ["python", "app/run.py", "--smoke-test", "--storage", str(storage), "--name", "smoke",
              # One training worker per fake machine (2 logical CPUs each), half a CPU left for Ray Data.
              "--scaling.cpus_per_worker=1.5",
-             f"--data.local_cache_dir={storage}/local-cache",
-             # TensorBoard off: with it on, the run-log actor on the head dies in this setup (job submitted
-             # to a token-auth autoscaling cluster) with "Intel oneMKL FATAL ERROR: Cannot load
-             # libtorch_cpu.so"; reported to the lead. This test is about autoscaling and spot recovery.
-             "--report.tensorboard=false"]
+             f"--data.local_cache_dir={storage}/local-cache"]
     try:
         with fake_cluster.FakeCluster() as fc:
             seen = _run_with_spot_loss(fc, "smoke", entry, ready, any_worker)
