@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import pathlib
 import statistics
@@ -177,31 +176,15 @@ def _val_rows(units: dict, *, data: list, rank: int, world_size: int) -> dict:
 
 def _in_memory_data_config(spec, data_ref, val_ref, batch: int):
     """``PlanDataConfig`` with the map function swapped for a slice of the pre-decoded tensors."""
-    import ray.data
-
     from app.data.ingest import PlanDataConfig
 
     class InMemoryPlanDataConfig(PlanDataConfig):
-        def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
-            from ray.data import ExecutionOptions
-            from ray.data.context import DataContext
-
-            ctx = DataContext.get_current()
-            options = ExecutionOptions(resource_limits=ctx.execution_options.resource_limits, preserve_order=True)
-            per_rank = ray.data.TaskPoolStrategy(
-                size=max(1, math.ceil(self.spec.map_concurrency / world_size)) if self.spec.map_concurrency else None)
-            out = [{} for _ in range(world_size)]
-            for name, ds in datasets.items():
-                for rank in range(world_size):
-                    if name.startswith("train_p"):
-                        fn, kw = _slice_units, {"data": [data_ref], "batch": batch}
-                    else:
-                        fn, kw = _val_rows, {"data": [val_ref]}
-                    mapped = ds.map_batches(fn, batch_size=1, batch_format="numpy", num_cpus=self.spec.map_cpus,
-                                            compute=per_rank, fn_kwargs={**kw, "rank": rank, "world_size": world_size})
-                    mapped.context.execution_options = options
-                    out[rank][name] = mapped.iterator()
-            return out
+        def map_for(self, name, rank, world_size):
+            if name.startswith("train_p"):
+                fn, kw = _slice_units, {"data": [data_ref], "batch": batch}
+            else:
+                fn, kw = _val_rows, {"data": [val_ref]}
+            return fn, {**kw, "rank": rank, "world_size": world_size}
 
     return InMemoryPlanDataConfig(spec)
 

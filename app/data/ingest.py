@@ -274,23 +274,25 @@ class PlanDataConfig(ray.train.DataConfig):
         out = [{} for _ in range(world_size)]
         for name, ds in datasets.items():
             for rank in range(world_size):
-                if name.startswith("train_p"):
-                    phase = int(name.removeprefix("train_p"))
-                    mapped = ds.map_batches(
-                        train_unit_batch, batch_size=1, batch_format="numpy", num_cpus=self.spec.map_cpus,
-                        compute=per_rank,
-                        fn_kwargs={"spec": self.spec, "phase": phase, "rank": rank, "world_size": world_size})
-                elif name == "val":
-                    mapped = ds.map_batches(
-                        val_unit_batch, batch_size=1, batch_format="numpy", num_cpus=self.spec.map_cpus,
-                        compute=per_rank,
-                        fn_kwargs={"spec": self.spec, "rank": rank, "world_size": world_size,
-                                   "resolution": self.spec.eval_resolution})
-                else:
-                    mapped = ds
+                fn_and_kwargs = self.map_for(name, rank, world_size)
+                mapped = ds
+                if fn_and_kwargs is not None:
+                    fn, fn_kwargs = fn_and_kwargs
+                    mapped = ds.map_batches(fn, batch_size=1, batch_format="numpy", num_cpus=self.spec.map_cpus,
+                                            compute=per_rank, fn_kwargs=fn_kwargs)
                 mapped.context.execution_options = options
                 out[rank][name] = mapped.iterator()
         return out
+
+    def map_for(self, name: str, rank: int, world_size: int) -> tuple[Any, dict] | None:
+        """The map function (and its kwargs) that turns dataset ``name``'s units into rank's rows."""
+        if name.startswith("train_p"):
+            return train_unit_batch, {"spec": self.spec, "phase": int(name.removeprefix("train_p")), "rank": rank,
+                                      "world_size": world_size}
+        if name == "val":
+            return val_unit_batch, {"spec": self.spec, "rank": rank, "world_size": world_size,
+                                    "resolution": self.spec.eval_resolution}
+        return None
 
 
 def finalize_spec(spec: IngestSpec, data: Any, train_cpus: float) -> None:
