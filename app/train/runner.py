@@ -30,7 +30,7 @@ from app.data.ingest import (
 )
 from app.data.shard_cache import default_local_dir
 from app.schedule import Schedule
-from app.train import state as st
+from app.train.state import choose_and_record_resume, join, list_checkpoints, write_bytes
 
 log = logging.getLogger("lightray")
 
@@ -105,15 +105,14 @@ def build_ingest_spec(cfg: Config, manifest) -> tuple[IngestSpec, Schedule]:
                       eval_resolution=eval_resolution(cfg), val_crop_ratio=cfg.data.val_crop_ratio,
                       map_concurrency=cfg.data.preprocess_concurrency or None,
                       prefetch_batches=cfg.data.prefetch_batches)
-    # --- data (issue 3b): rect val plan, object-store level, preprocessing autotune; needs Ray up ---
+    # Rect val plan, object-store cache level and preprocessing autotune: these run Ray tasks, so Ray is up.
     finalize_spec(spec, cfg.data, cfg.worker_range()[1] * cfg.scaling.cpus_per_worker)
-    # --- end data ---
     return spec, sched
 
 
 def _train_dataset(run_dir: str, spec: IngestSpec, sched: Schedule, phase: int):
     """Called by Ray Train at every worker-group start: the phase's stream from the resume point."""
-    point = st.choose_and_record_resume(run_dir)
+    point = choose_and_record_resume(run_dir)
     pos = sched.locate(point.samples_seen)
     return make_units_dataset(phase_units(spec, phase, pos.epoch, pos.step_in_epoch)
                               if point.samples_seen < sched.total_samples else [])
@@ -134,47 +133,66 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
     """Run (or with ``resume``, continue) one training run; returns the summary written to summary.json.
 
     ``callbacks`` are Ray Train ``UserCallback``s (the tuner passes ``TuneReportCallback``)."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
     from app.data.manifest import Manifest
     from app.data.prepare import prepare_main
-    from app.report.progress import read_metrics
     from app.report.runlog import start_runlog
-    from app.report.summary import write_summary
-    from app.train.worker import train_loop_per_worker
 
-    stream = stream or sys.stdout
-    resolve_run(cfg, resume)
-    run_dir = st.join(cfg.storage, cfg.name)
-    local_run_dir = run_dir if "://" not in run_dir else str(pathlib.Path.home() / "lightray_runs" / cfg.name)
-    os.makedirs(local_run_dir, exist_ok=True)
-    if not resume and st.list_checkpoints(run_dir):
-        raise FileExistsError(f"run {run_dir} already has checkpoints; pass --resume to continue it or use "
-                              "another --name")
+    run_dir, local_run_dir = _open_run_dir(cfg, resume)
     t0 = time.time()
     connect_ray(cfg, verbose)
     manifest = Manifest.load(str(prepare_main(cfg)))
     spec, sched = build_ingest_spec(cfg, manifest)
-    st.write_bytes(st.join(run_dir, "config.yaml"), yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode())
-    st.write_bytes(st.join(run_dir, "classes.json"), json.dumps(list(manifest.classes)).encode())
-    st.write_bytes(st.join(run_dir, "data.json"), json.dumps(
+    _write_run_files(cfg, run_dir, manifest, spec)
+    use_gpu = _use_gpu(cfg)
+    _limit_data_resources(cfg.worker_range()[1] * cfg.scaling.cpus_per_worker)
+    runlog = start_runlog(cfg.name, local_run_dir, cfg.report.tensorboard)
+    trainer = _build_trainer(cfg, run_dir, spec, sched, len(manifest.classes), use_gpu, callbacks)
+    error, spot = _fit(trainer, cfg, local_run_dir, runlog, stream=(stream or sys.stdout) if progress else None)
+    return _write_result(cfg, run_dir, local_run_dir, t0, sched, use_gpu, error, spot)
+
+
+def _open_run_dir(cfg: Config, resume: bool) -> tuple[str, str]:
+    """(run folder, its local mirror for logs); a new run may not reuse a folder that has checkpoints."""
+    resolve_run(cfg, resume)
+    run_dir = join(cfg.storage, cfg.name)
+    local_run_dir = run_dir if "://" not in run_dir else str(pathlib.Path.home() / "lightray_runs" / cfg.name)
+    os.makedirs(local_run_dir, exist_ok=True)
+    if not resume and list_checkpoints(run_dir):
+        raise FileExistsError(f"run {run_dir} already has checkpoints; pass --resume to continue it or use "
+                              "another --name")
+    return run_dir, local_run_dir
+
+
+def _write_run_files(cfg: Config, run_dir: str, manifest, spec: IngestSpec) -> None:
+    """config.yaml, classes.json and data.json: what the run trains, on what data."""
+    write_bytes(join(run_dir, "config.yaml"), yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode())
+    write_bytes(join(run_dir, "classes.json"), json.dumps(list(manifest.classes)).encode())
+    write_bytes(join(run_dir, "data.json"), json.dumps(
         {"manifest": str(manifest.location), "train_samples": spec.train_size, "val_samples": sum(spec.val.rows),
          "phase_tiers": [p.shards.tier for p in spec.phases], "val_tier": spec.val.tier}).encode())
 
-    lo, hi = cfg.worker_range()
-    use_gpu = cfg.scaling.use_gpu == "true" or (
+
+def _use_gpu(cfg: Config) -> bool:
+    """``scaling.use_gpu``: "true", or "auto" when the cluster has a GPU."""
+    return cfg.scaling.use_gpu == "true" or (
         cfg.scaling.use_gpu == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
-    _limit_data_resources(hi * cfg.scaling.cpus_per_worker)
-    runlog = start_runlog(cfg.name, local_run_dir, cfg.report.tensorboard)
+
+
+def _build_trainer(cfg: Config, run_dir: str, spec: IngestSpec, sched: Schedule, num_classes: int, use_gpu: bool,
+                   callbacks: list | None):
+    """The TorchTrainer: elastic worker range, failure and checkpoint policy, one dataset per phase."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from app.data.ingest import PlanDataConfig
+    from app.train.worker import train_loop_per_worker
+
+    lo, hi = cfg.worker_range()
     datasets = {f"train_p{i}": partial(_train_dataset, run_dir, spec, sched, i) for i in range(len(spec.phases))}
     datasets["val"] = partial(val_dataset, spec)
-    from app.data.ingest import PlanDataConfig
-
-    trainer = TorchTrainer(
+    return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"cfg": cfg.to_dict(), "spec": spec, "run_dir": run_dir,
-                           "num_classes": len(manifest.classes)},
+        train_loop_config={"cfg": cfg.to_dict(), "spec": spec, "run_dir": run_dir, "num_classes": num_classes},
         scaling_config=ScalingConfig(num_workers=(lo, hi) if lo < hi else hi, use_gpu=use_gpu,
                                      resources_per_worker={"CPU": cfg.scaling.cpus_per_worker,
                                                            **cfg.scaling.worker_resources},
@@ -187,13 +205,18 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
         datasets=datasets,
         dataset_config=PlanDataConfig(spec),
     )
+
+
+def _fit(trainer, cfg: Config, local_run_dir: str, runlog, stream) -> tuple[Exception | None, list[dict]]:
+    """Run the trainer to its end with the progress printer (to ``stream``; None = off) and the spot-notice
+    watchers around it; returns (the error it ended with, the watchers' statuses)."""
+    from app.train.spot_watcher import WatcherKeeper, watcher_statuses
+
     printer = None
-    if progress:
+    if stream is not None:
         from app.report.progress import ProgressPrinter
 
         printer = ProgressPrinter(local_run_dir, stream=stream, every_s=cfg.report.progress_every_s).start()
-    from app.train.spot_watcher import WatcherKeeper, watcher_statuses
-
     # One spot-notice watcher per (GPU) node, kept up to date as spot replacements join.
     keeper = WatcherKeeper(cfg.scaling, cfg.name, every_s=cfg.scaling.resize_check_s).start()
     error = None
@@ -208,6 +231,15 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
         ray.get(runlog.flush.remote())
         if printer is not None:
             printer.stop()
+    return error, spot
+
+
+def _write_result(cfg: Config, run_dir: str, local_run_dir: str, t0: float, sched: Schedule, use_gpu: bool,
+                  error: Exception | None, spot: list[dict]) -> dict[str, Any]:
+    """Write summary.json from the run's metrics; re-raise the run's error after writing it."""
+    from app.report.progress import read_metrics
+    from app.report.summary import write_summary
+
     records = read_metrics(os.path.join(local_run_dir, "metrics.jsonl"))[0]
     summary = write_summary(cfg, run_dir, local_run_dir, records, t0, time.time(), sched,
                             use_gpu=use_gpu, error=error,

@@ -1,0 +1,429 @@
+"""The per-worker trainer: one object per worker-group start, holding everything a worker trains with.
+
+A start resumes from the checkpoint chosen for it (``resume.json``), then walks the schedule phase by
+phase: each phase's data arrives as this rank's slice of every global batch from
+``ray.train.get_dataset_shard("train_p<i>")``. Everything that decides the next step (LR, resolution,
+batch) is computed from ``samples_seen``.
+
+``state_dict()`` / ``load_state_dict()`` follow the Stateful protocol: rank 0's dict holds the replicated
+state (model, optimizer, grad scaler, EMA, counters, config); every rank's dict holds its own
+communication residuals and RNG states.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import numpy as np
+import ray.train
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from app.config import Config, Phase, config_from_dict
+from app.data.ingest import IngestSpec
+from app.data.plan import rank_slice
+from app.report.runlog import get_runlog
+from app.schedule import Position, Schedule
+from app.train import device as dev
+from app.train.comm import CommHook
+from app.train.ema import ModelEMA
+from app.train.evaluate import evaluate as evaluate_split
+from app.train.fusion import choose_bucket_mb
+from app.train.model import build_model, to_device
+from app.train.optim import build_loss, build_optimizer, clip_gradients, set_lr_momentum
+from app.train.state import ResumePoint, checkpoint_name, load_rank_state, read_recorded_resume, save_rank_state
+from app.train.topology import Topology, topology_from_ray
+
+RANK_KEYS = ("comm", "rng")  # every rank's own part of a checkpoint; the rest is rank 0's replicated state
+
+
+class PreemptedError(RuntimeError):
+    """Raised after the preemption checkpoint so that Ray Train restarts the group off the draining node."""
+
+
+class RunLogReporter:
+    """Sends metrics/events to the run log (rank 0 only) without blocking the step."""
+
+    def __init__(self, run_name: str, rank: int):
+        self.actor = get_runlog(run_name) if rank == 0 else None
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        if self.actor is not None:
+            try:
+                self.actor.log.remote(record)
+            except Exception:  # the driver (and its log) may be gone; training goes on
+                self.actor = None
+
+
+@dataclass
+class Counters:
+    """Run-wide counters carried across starts in rank 0's checkpoint (as a plain dict, in this order)."""
+
+    samples_seen: int = 0
+    step: int = 0
+    starts: int = 0
+    device_seconds: float = 0.0
+    train_seconds: float = 0.0
+    resizes: int = 0
+    preemption_checkpoints: int = 0
+    world_size: int = 0
+    best_top1: float = 0.0
+
+    def update(self, saved: dict[str, Any]) -> None:
+        known = {f.name for f in fields(self)}
+        for key, value in saved.items():
+            if key in known:
+                setattr(self, key, value)
+
+
+@dataclass
+class PhaseRun:
+    """The phase being trained: its config, index and this rank's share of each global batch."""
+
+    index: int
+    phase: Phase
+    loss_scale: float  # DDP averages over ranks: weight each rank's loss by its share of the batch
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(s: dict) -> None:
+    torch.set_rng_state(s["torch"])
+    np.random.set_state(s["numpy"])
+    if s.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+def _new_window() -> dict[str, float]:
+    """Accumulators for one report interval."""
+    return {"t": time.time(), "wait": 0.0, "n": 0, "loss": 0.0, "steps": 0}
+
+
+class Trainer:
+    """One worker's model, optimizer, communication and counters, and the loop that trains them."""
+
+    def __init__(self, cfg: Config, spec: IngestSpec, run_dir: str, num_classes: int, *, rank: int, world: int,
+                 topology: Topology | None = None, report: Callable[[dict[str, Any]], None] | None = None):
+        self.cfg, self.spec, self.run_dir = cfg, spec, run_dir
+        self.rank, self.world = rank, world
+        self.report = report if report is not None else RunLogReporter(cfg.name, rank)
+        self.t_start = time.time()
+        self._build_model(num_classes, topology)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        self.scaler = dev.make_grad_scaler(self.precision, self.device)
+        self.ema = ModelEMA(self.model, cfg.optim.ema_decay) if cfg.optim.ema_decay > 0 else None
+        self.loss_fn = build_loss(cfg.optim)
+        self.sched = Schedule(cfg.schedule, cfg.optim, spec.train_size)
+        self.counters = Counters(world_size=world)
+        self.clock = time.time()  # start of the time not yet added to the counters' seconds
+        self.last_ckpt_time = time.time()
+        self.notice_seen: Any = None  # one preemption checkpoint per notice, not one per report interval
+        self.window = _new_window()
+        self.metrics: dict[str, Any] = {}
+        self.sample_log = None
+        self.stopped = False
+
+    @classmethod
+    def from_train_config(cls, config: dict) -> Trainer:
+        """The trainer of the calling Ray Train worker, from ``train_loop_config``."""
+        ctx = ray.train.get_context()
+        return cls(config_from_dict(config["cfg"]), config["spec"], config["run_dir"], config["num_classes"],
+                   rank=ctx.get_world_rank(), world=ctx.get_world_size())
+
+    def _build_model(self, num_classes: int, topology: Topology | None) -> None:
+        """Device, model, DDP wrapper and comm hook. Collectives inside: every rank builds in the same order."""
+        cfg = self.cfg
+        self.device = dev.select_device()
+        self.precision = dev.precision_for(cfg.model, self.device)
+        dev.enable_cudnn_benchmark(cfg.model, self.device)
+        torch.manual_seed(cfg.scaling.seed)  # same initial weights on every rank
+        self.model = to_device(build_model(cfg.model, num_classes), self.device, cfg.model)
+        topology = topology or topology_from_ray()  # after select_device: NCCL's all-reduce uses our GPU
+        self.bucket_mb, self.bucket_evidence = choose_bucket_mb(self.model, self.world, self.device,
+                                                                pinned_mb=cfg.comm.bucket_mb)
+        self.ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                       bucket_cap_mb=self.bucket_mb, gradient_as_bucket_view=True)
+        self.comm = CommHook(cfg.comm, topology, self.device)
+        self.comm.install(self.ddp)
+        self.forward = dev.maybe_compile(self.ddp, cfg.model, self.device)
+
+    # --- state -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's checkpoint content: its own comm residuals and RNG; on rank 0 the replicated state too."""
+        state: dict[str, Any] = {"comm": self.comm.state_dict(), "rng": rng_state()}
+        if self.rank == 0:
+            state.update(model=self.model.state_dict(), optimizer=self.optimizer.state_dict(),
+                         scaler=self.scaler.state_dict(), ema=self.ema.state_dict() if self.ema is not None else None,
+                         counters=asdict(self.counters), config=self.cfg.to_dict())
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load rank 0's replicated state; ``comm`` and ``rng`` only where present (this rank's own)."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        if self.ema is not None and state.get("ema"):
+            self.ema.load_state_dict(state["ema"])
+        self.counters.update(state["counters"])
+        if "comm" in state:
+            self.comm.load_state_dict(state["comm"], world_size=self.world)
+        if "rng" in state:
+            set_rng_state(state["rng"])
+
+    def _read_checkpoint(self, resume: ResumePoint) -> dict[str, Any]:
+        """Rank 0's replicated state plus this rank's own part, as ``load_state_dict`` takes it."""
+        shared = load_rank_state(resume.checkpoint, 0, self.device)
+        state = {k: v for k, v in shared.items() if k not in RANK_KEYS}
+        if self.rank < resume.world_size:  # a rank the checkpointing group did not have has no own part
+            own = load_rank_state(resume.checkpoint, self.rank, self.device)
+            state.update({k: own[k] for k in RANK_KEYS if k in own})
+        if resume.world_size != self.world:
+            state.pop("rng", None)  # exact replay only holds for the same ranks; a resized group draws afresh
+        return state
+
+    def restore(self) -> ResumePoint:
+        """Load the checkpoint chosen for this start (if any) and announce the start."""
+        resume = read_recorded_resume(self.run_dir)
+        c = self.counters
+        if resume.checkpoint:
+            self.load_state_dict(self._read_checkpoint(resume))
+            if resume.world_size != self.world:
+                c.resizes += 1
+                self.report({"event": "resize", "from": resume.world_size, "to": self.world,
+                             "samples_seen": c.samples_seen})
+        if c.samples_seen != resume.samples_seen:
+            raise RuntimeError(f"checkpoint {resume.checkpoint} holds samples_seen={c.samples_seen} but the "
+                               f"data stream was built for {resume.samples_seen}")
+        c.starts += 1
+        c.world_size = self.world
+        self.report({"event": "start" if c.starts == 1 else "restart", "samples_seen": c.samples_seen,
+                     "world_size": self.world, "checkpoint": resume.checkpoint, "skipped_checkpoints": resume.skipped,
+                     "total_samples": self.sched.total_samples, "ckpt_time": resume.time})
+        return resume
+
+    # --- the loop ----------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Restore, then train every remaining phase; ends with the comm statistics and a barrier."""
+        self.restore()
+        self._log_units()
+        self.sample_log = self._open_sample_log()
+        self.clock = time.time()
+        self.last_ckpt_time = time.time()
+        if self.counters.samples_seen >= self.sched.total_samples:  # resumed a run that had already finished
+            self.report({"event": "end", "samples_seen": self.counters.samples_seen, "wall_s": 0.0})
+            return
+        pos = self.sched.locate(self.counters.samples_seen)
+        self.window = _new_window()
+        for phase_idx in range(pos.phase_index, len(self.cfg.schedule.phases)):
+            self.run_phase(phase_idx, pos)
+            if self.stopped:
+                self.report({"event": "stopped", "samples_seen": self.counters.samples_seen,
+                             "step": self.counters.step})
+                break
+        self._finish()
+
+    def run_phase(self, phase_idx: int, pos: Position) -> None:
+        """Train the phase's epochs from ``pos``, validating and checkpointing at each epoch's end."""
+        phase = self.cfg.schedule.phases[phase_idx]
+        lo, hi = rank_slice(phase.batch_size, self.world, self.rank)
+        run = PhaseRun(phase_idx, phase, (hi - lo) * self.world / phase.batch_size)
+        shard = ray.train.get_dataset_shard(f"train_p{phase_idx}")
+        batches = iter(shard.iter_batches(batch_size=hi - lo, batch_format="numpy",
+                                          prefetch_batches=self.spec.prefetch_batches, drop_last=False))
+        self.report({"event": "unit", "unit": "progressive_resize",
+                     "message": f"phase {phase_idx}: {phase.resolution}px, global batch {phase.batch_size}, "
+                                f"min crop scale {phase.min_scale}", "phase": phase_idx})
+        ph_spec = self.spec.phases[phase_idx]
+        for epoch in range(max(ph_spec.first_epoch, pos.epoch), ph_spec.end_epoch):
+            first_step = pos.step_in_epoch if epoch == pos.epoch else 0
+            if not self.run_epoch(epoch, first_step, run, batches):
+                return  # stopped mid-epoch: the interval checkpoint holds the position
+            self.end_epoch(epoch, run)
+            if self.stopped:
+                return
+
+    def run_epoch(self, epoch: int, first_step: int, run: PhaseRun, batches: Iterator[dict]) -> bool:
+        """Train the epoch from ``first_step``; False when stopped before its last step."""
+        self.model.train()
+        last = self.sched.steps_in_epoch(epoch) - 1
+        for step in range(first_step, last + 1):
+            batch = self._next_batch(batches, epoch)
+            lr, mom = self.train_step(batch, run)
+            self._log_samples(batch, epoch)
+            if self.counters.step % self.cfg.report.every_steps == 0:
+                self._report_window(epoch, run, lr, mom)
+                self._check_preemption()
+            self._maybe_checkpoint(last_in_epoch=step == last)
+            if self.stopped:
+                return step == last
+        return True
+
+    def _next_batch(self, batches: Iterator[dict], epoch: int) -> dict:
+        t0 = time.time()
+        batch = next(batches)
+        self.window["wait"] += time.time() - t0
+        if batch["epoch"][0] != epoch:
+            raise RuntimeError(f"data stream out of step: got epoch {batch['epoch'][0]}, expected {epoch}")
+        return batch
+
+    def train_step(self, batch: dict, run: PhaseRun) -> tuple[float, float]:
+        """One optimizer step on this rank's slice of the global batch; returns (lr, momentum) used."""
+        c = self.counters
+        lr, mom = self.sched.lr_at(c.samples_seen), self.sched.momentum_at(c.samples_seen)
+        set_lr_momentum(self.optimizer, lr, mom)
+        x = dev.images_to_device(torch.from_numpy(batch["image"]), self.device, self.cfg.model.channels_last)
+        y = torch.from_numpy(batch["label"]).to(self.device, non_blocking=True)
+        with dev.autocast(self.precision, self.device):
+            loss = self.loss_fn(self.forward(x), y)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(loss * run.loss_scale).backward()  # the scaler is a pass-through unless fp16
+        clip_gradients(self.model, self.optimizer, self.cfg.optim, self.scaler)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        if self.ema is not None:
+            self.ema.update(self.model)
+        c.samples_seen += run.phase.batch_size
+        c.step += 1
+        self.window["n"] += run.phase.batch_size
+        self.window["steps"] += 1
+        self.window["loss"] += float(loss.detach())
+        return lr, mom
+
+    def _log_samples(self, batch: dict, epoch: int) -> None:
+        if self.sample_log is not None:
+            self.sample_log.write(json.dumps({"samples_seen": self.counters.samples_seen, "epoch": epoch,
+                                              "ids": batch["sample_id"].tolist()}) + "\n")
+            self.sample_log.flush()
+
+    # --- reporting ---------------------------------------------------------------------------------
+    def _elapsed_s(self) -> float:
+        return self.counters.train_seconds + time.time() - self.clock
+
+    def _device_seconds(self) -> float:
+        return self.counters.device_seconds + (time.time() - self.clock) * self.world
+
+    def _metrics(self, epoch: int, run: PhaseRun, lr: float, mom: float) -> dict[str, Any]:
+        """The training metrics line of the report interval that just ended."""
+        c, w, sched = self.counters, self.window, self.sched
+        dt = time.time() - w["t"]
+        return {"step": c.step, "samples_seen": c.samples_seen, "epoch": epoch,
+                "epoch_progress": sched.locate(c.samples_seen).epoch_progress
+                if c.samples_seen < sched.total_samples else float(sched.epochs),
+                "phase": run.index, "resolution": run.phase.resolution, "batch_size": run.phase.batch_size,
+                "lr": lr, "momentum": mom, "loss": w["loss"] / w["steps"],
+                "images_per_s": w["n"] / max(dt, 1e-9),
+                "data_wait_frac": w["wait"] / max(dt, 1e-9), "comm_bytes": self.comm.bytes_sent,
+                "comm_mode": self.cfg.comm.mode, "restarts": c.starts - 1,
+                "resizes": c.resizes, "world_size": self.world,
+                "device_seconds": self._device_seconds(), "elapsed_s": self._elapsed_s(),
+                "total_samples": sched.total_samples}
+
+    def _report_window(self, epoch: int, run: PhaseRun, lr: float, mom: float) -> None:
+        self.metrics = self._metrics(epoch, run, lr, mom)
+        self.report(self.metrics)
+        self.window = _new_window()
+
+    def _log_units(self) -> None:
+        """Which speed-up units are on and why: device, DDP bucket, comm mode, then the data's own events
+        (which cache level serves each phase, preprocessing autotune, rect val)."""
+        events = dev.pop_unit_events() + [
+            {"unit": "fusion", "message": f"DDP bucket {self.bucket_mb:.2f} MB", "evidence": self.bucket_evidence},
+            {"unit": "comm", "message": self.comm.describe()}] + list(self.spec.events)
+        for ev in events:
+            self.report({"event": "unit", **ev})
+
+    def _open_sample_log(self):
+        """This rank's log of the sample ids of every step (``report.log_samples``, local runs only)."""
+        if not self.cfg.report.log_samples or "://" in self.run_dir:
+            return None
+        os.makedirs(os.path.join(self.run_dir, "sample_log"), exist_ok=True)
+        # One file per rank and attempt; the attempt id (rank 0's clock) orders attempts that resumed from
+        # the same checkpoint, so an audit can tell which replay the final model carries.
+        attempt = torch.tensor([int(time.time() * 1000)], dtype=torch.int64, device=self.device)
+        if dist.is_initialized():
+            dist.broadcast(attempt, 0)
+        name = f"start{self.counters.starts}_attempt{int(attempt.item())}_rank{self.rank}.jsonl"
+        return open(os.path.join(self.run_dir, "sample_log", name), "a")
+
+    # --- evaluation and checkpoints ----------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        """Top-1/top-5 of the EMA weights (else the live ones) over the whole validation split."""
+        return evaluate_split(self.ema.module if self.ema is not None else self.model,
+                              ray.train.get_dataset_shard("val"), self.device, self.precision, self.cfg,
+                              self.spec.prefetch_batches)
+
+    def end_epoch(self, epoch: int, run: PhaseRun) -> None:
+        """Validate, report the epoch's line and checkpoint."""
+        val = self.evaluate()
+        c = self.counters
+        c.best_top1 = max(c.best_top1, val["val_top1"])
+        self.metrics = dict(self.metrics, **val, epoch=epoch + 1, samples_seen=c.samples_seen, step=c.step,
+                            restarts=c.starts - 1, resizes=c.resizes, epoch_progress=float(epoch + 1),
+                            best_top1=c.best_top1, elapsed_s=self._elapsed_s(),
+                            device_seconds=self._device_seconds(), comm_bytes=self.comm.bytes_sent,
+                            phase=run.index, resolution=run.phase.resolution, batch_size=run.phase.batch_size,
+                            world_size=self.world, preemption_checkpoints=c.preemption_checkpoints)
+        self.report(self.metrics)
+        self.checkpoint("epoch", self.metrics)
+
+    def _maybe_checkpoint(self, last_in_epoch: bool) -> None:
+        """Interval checkpoints (every N steps, every N minutes, at ``stop_after_steps``) inside an epoch;
+        the epoch's last step is left to the end-of-epoch checkpoint."""
+        ck, step = self.cfg.checkpoint, self.counters.step
+        by_steps = ck.every_steps and step % ck.every_steps == 0
+        by_time = ck.every_minutes and time.time() - self.last_ckpt_time > 60 * ck.every_minutes
+        self.stopped = bool(ck.stop_after_steps and step == ck.stop_after_steps)
+        if (by_steps or by_time or self.stopped) and not last_in_epoch:
+            self.checkpoint("interval", dict(self.metrics, samples_seen=self.counters.samples_seen, step=step))
+
+    def checkpoint(self, reason: str, metrics: dict[str, Any]) -> None:
+        """Every rank writes its state file; Ray Train gathers them into ``checkpoint_<samples_seen>``."""
+        now = time.time()
+        self.counters.device_seconds += (now - self.clock) * self.world
+        self.counters.train_seconds += now - self.clock
+        self.clock = time.time()
+        with tempfile.TemporaryDirectory() as tmp:
+            meta = {"samples_seen": self.counters.samples_seen, "world_size": self.world, "reason": reason,
+                    "time": time.time(), "step": self.counters.step}
+            save_rank_state(tmp, self.rank, self.state_dict(), meta)
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
+                             checkpoint_dir_name=checkpoint_name(self.counters.samples_seen))
+        self.last_ckpt_time = time.time()
+
+    def _check_preemption(self) -> None:
+        # A drained node (spot notice) is known to every rank at once: all save the same step.
+        notice = ray.train.get_preemption_info()
+        if notice is not None and self.notice_seen is None:
+            self.on_preemption(notice)
+
+    def on_preemption(self, notice: Any) -> None:
+        """Checkpoint now and leave: steps after this checkpoint would be rolled back anyway, and the new
+        worker group avoids the draining node."""
+        self.notice_seen = notice
+        self.counters.preemption_checkpoints += 1
+        self.report({"event": "preemption_checkpoint", "samples_seen": self.counters.samples_seen,
+                     "notice": str(notice)})
+        self.checkpoint("preemption", dict(self.metrics))
+        raise PreemptedError(f"node preemption notice {notice}; checkpoint written at "
+                             f"samples_seen={self.counters.samples_seen}, restarting")
+
+    def _finish(self) -> None:
+        if self.sample_log is not None:
+            self.sample_log.close()
+        self.report({"event": "unit", "unit": "comm", "message": self.comm.describe(), "stats": self.comm.stats()})
+        if self.rank == 0:
+            self.report({"event": "end", "samples_seen": self.counters.samples_seen,
+                         "wall_s": time.time() - self.t_start})
+        if dist.is_initialized():
+            dist.barrier()
