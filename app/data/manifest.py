@@ -6,14 +6,12 @@ when it was written; each shard's sha256 lets a reader check a copy before trust
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from typing import Any
 
-import pyarrow.fs as pafs
-
-from app.data.source import DataError, join, normalise_root, resolve_fs
+from app import storage
+from app.data.source import DataError, resolve_fs
+from app.storage import join
 
 MANIFEST = "manifest.json"
 BAD_FILES = "bad_files.json"
@@ -28,28 +26,6 @@ class ShardInfo:
     bytes: int = -1  # file size; -1 when the manifest does not record it
 
 
-def sha256_stream(fs: pafs.FileSystem, path: str) -> str:
-    h = hashlib.sha256()
-    with fs.open_input_stream(path) as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def read_json(fs: pafs.FileSystem, path: str) -> Any:
-    with fs.open_input_stream(path) as f:
-        return json.loads(f.readall())
-
-
-def write_bytes_atomic(fs: pafs.FileSystem, path: str, data: bytes, tmp_tag: str) -> None:
-    """Write to a hidden temp name, then rename: readers see the old file or the whole new one, never half."""
-    parent, _, name = path.rpartition("/")
-    tmp = f"{parent}/.{name}.tmp-{tmp_tag}"
-    with fs.open_output_stream(tmp) as f:
-        f.write(data)
-    fs.move(tmp, path)  # rename(2) locally; on object stores a copy whose target appears whole
-
-
 class Manifest:
     """A loaded manifest: classes, splits, tiers and the shard files of each (split, tier)."""
 
@@ -60,13 +36,13 @@ class Manifest:
 
     @classmethod
     def load(cls, dir_or_uri: str) -> Manifest:
-        location = normalise_root(str(dir_or_uri))
+        location = storage.normalise(str(dir_or_uri))
         if location.endswith("/" + MANIFEST) or location == MANIFEST:
             location = location[: -len(MANIFEST)].rstrip("/")
         fs, path = resolve_fs(location)
         target = f"{path}/{MANIFEST}"
         try:
-            data = read_json(fs, target)
+            data = storage.read_json(target, fs=fs)
         except FileNotFoundError:
             raise DataError(f"{join(location, MANIFEST)}: not found; expected a shard cache written by prepare "
                             "(run `python app/run.py --prepare` or app.data.prepare.prepare)") from None
@@ -136,7 +112,7 @@ class Manifest:
     def bad_files(self) -> list[dict[str, Any]]:
         name = self.data.get("bad_files") or BAD_FILES
         try:
-            return list(read_json(self._fs, f"{self._path}/{name}"))
+            return list(storage.read_json(f"{self._path}/{name}", fs=self._fs))
         except FileNotFoundError:
             return []
 
@@ -147,7 +123,7 @@ class Manifest:
         info = shard if isinstance(shard, ShardInfo) else self.shards(split, tier)[shard]
         fs, target = resolve_fs(path) if path else (self._fs, f"{self._path}/{info.file}")
         try:
-            return sha256_stream(fs, target) == info.sha256
+            return storage.sha256(target, fs=fs) == info.sha256
         except FileNotFoundError:
             return False
 
@@ -155,6 +131,6 @@ class Manifest:
 def find_manifest(cache_root: str, key: str) -> Manifest | None:
     """The manifest for cache key ``key`` under ``cache_root``, or None when it was never completed."""
     try:
-        return Manifest.load(join(normalise_root(cache_root), key))
+        return Manifest.load(join(storage.normalise(cache_root), key))
     except DataError:
         return None

@@ -27,28 +27,21 @@ import logging
 import os
 import pathlib
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from app import storage
 from app.data import images
-from app.data.manifest import BAD_FILES, MANIFEST, Manifest, read_json, sha256_stream, write_bytes_atomic
+from app.data.manifest import BAD_FILES, MANIFEST, Manifest
 from app.data.shard_cache import default_local_dir
-from app.data.source import (
-    DataError,
-    SourceListing,
-    is_uri,
-    join,
-    list_imagefolder,
-    normalise_root,
-    read_bytes,
-    resolve_fs,
-)
+from app.data.source import DataError, SourceListing, list_imagefolder, resolve_fs
+from app.storage import is_uri, join
 
 if TYPE_CHECKING:
     from app.config import Config
@@ -153,7 +146,7 @@ def _read_or_reason(fs: pafs.FileSystem, path: str, expected_size: int) -> tuple
     last = ""
     for _ in range(2):  # one retry: a transient object-store error should not mark a good image bad forever
         try:
-            data = read_bytes(fs, path)
+            data = storage.read_bytes(path, fs=fs)
         except FileNotFoundError:
             return None, "file disappeared after the listing"
         except OSError as exc:
@@ -209,18 +202,16 @@ def build_shard(unit: dict[str, Any]) -> dict[str, Any]:
 
     rows = len(base["sample_id"])
     files: dict[str, dict[str, Any]] = {}
-    tag = uuid.uuid4().hex[:12]
     if rows:
         for t in tiers:
             blob = _parquet_bytes({**base, **per_tier[t]})
             name = shard_file(split, t, index)
-            write_bytes_atomic(out_fs, f"{out_base}/{name}", blob, tag)
+            storage.write_bytes(f"{out_base}/{name}", blob, fs=out_fs)
             files[str(t)] = {"file": name, "rows": rows, "sha256": hashlib.sha256(blob).hexdigest(),
                              "bytes": len(blob), "format": formats[t]}
     sidecar = {"split": split, "index": index, "rows": rows, "listed": len(entries), "files": files, "bad": bad}
     # The sidecar goes last: its existence certifies that every file it names was renamed into place whole.
-    write_bytes_atomic(out_fs, f"{out_base}/{PROGRESS_DIR}/{_unit_name(split, index)}.json",
-                       json.dumps(sidecar).encode(), tag)
+    storage.write_json(f"{out_base}/{PROGRESS_DIR}/{_unit_name(split, index)}.json", sidecar, fs=out_fs)
     return sidecar
 
 
@@ -229,9 +220,23 @@ def _map_unit(row: dict[str, Any]) -> dict[str, Any]:
 
 
 # --- the driver ----------------------------------------------------------------------------------
+@dataclass
+class _Cache:
+    """One cache folder being built: where it is, what goes in it, and the parameters in its key."""
+
+    listing: SourceListing
+    params: dict[str, Any]
+    key: str
+    location: str  # <cache_root>/<key>, local path or URI
+    fs: pafs.FileSystem
+    base: str  # ``location`` inside ``fs``
+    tiers: list[int]
+    formats: dict[int, str]
+
+
 def _sizes(fs: pafs.FileSystem, folder: str) -> dict[str, int]:
-    sel = pafs.FileSelector(folder, allow_not_found=True)
-    return {i.base_name: int(i.size or 0) for i in fs.get_file_info(sel) if i.type == pafs.FileType.File}
+    return {i.base_name: int(i.size or 0) for i in storage.list_dir(folder, detail=True, fs=fs)
+            if i.type == pafs.FileType.File}
 
 
 def _shard_ok(fs: pafs.FileSystem, base: str, info: dict[str, Any], sizes: dict[str, int], verify: bool) -> str:
@@ -242,7 +247,7 @@ def _shard_ok(fs: pafs.FileSystem, base: str, info: dict[str, Any], sizes: dict[
     if int(info.get("bytes", -1)) >= 0 and sizes[name] != int(info["bytes"]):
         return f"{name}: {sizes[name]} bytes, expected {info['bytes']}"
     if verify:
-        got = sha256_stream(fs, f"{base}/{name}")
+        got = storage.sha256(f"{base}/{name}", fs=fs)
         if got != info["sha256"]:
             return f"{name}: sha256 {got[:12]} does not match the recorded {info['sha256'][:12]}"
     return ""
@@ -250,6 +255,149 @@ def _shard_ok(fs: pafs.FileSystem, base: str, info: dict[str, Any], sizes: dict[
 
 def _as_result(location: str) -> pathlib.Path | str:
     return location if is_uri(location) else pathlib.Path(location)
+
+
+def _plan_cache(listing: SourceListing, cache_root: str, tiers: list[int], jpeg_quality: int,
+                raw_max_resolution: int, shard_rows: int, limit: dict[str, int] | None) -> _Cache:
+    """Check the parameters and name the cache folder they and the listing key."""
+    tiers = _check_params(list(tiers), jpeg_quality, raw_max_resolution, shard_rows, limit, list(listing.splits))
+    formats = {t: tier_format(t, raw_max_resolution) for t in tiers}
+    limit = {k: int(v) for k, v in (limit or {}).items() if v}
+    params = {"tiers": tiers, "formats": {str(t): f for t, f in formats.items()}, "jpeg_quality": int(jpeg_quality),
+              "raw_max_resolution": int(raw_max_resolution), "shard_rows": int(shard_rows), "limit": limit,
+              "resample": images.RESAMPLE.name, "alpha_background": list(images.ALPHA_BACKGROUND),
+              "format_version": FORMAT_VERSION, "shard_mix_seed": SHARD_MIX_SEED}
+    key = cache_key(listing, params)
+    location = join(storage.normalise(cache_root), key)
+    fs, base = resolve_fs(location)
+    return _Cache(listing, params, key, location, fs, base, tiers, formats)
+
+
+def _manifest_intact(cache: _Cache, sizes: dict[str, int]) -> bool:
+    """The fast path: a complete manifest whose files are all present (one listing call, no Ray)."""
+    try:
+        man = Manifest.load(cache.location)
+        problems = [p for split in man.splits for tier in man.tiers(split)
+                    for s in man.data["splits"][split]["tiers"][str(tier)]["shards"]
+                    if (p := _shard_ok(cache.fs, cache.base, s, sizes, False))]
+    except DataError as exc:
+        problems = [str(exc)]
+    if not problems:
+        log.info("prepare: cache hit %s (%d train samples, tiers %s): nothing to do", cache.location,
+                 man.num_samples("train"), cache.tiers)
+        return True
+    log.warning("prepare: cache %s is damaged (%s); rebuilding those shards", cache.location,
+                "; ".join(problems[:5]))
+    return False
+
+
+def _plan_shards(cache: _Cache, limit: dict[str, int] | None, shard_rows: int, jpeg_quality: int,
+                 io_threads: int) -> list[dict[str, Any]]:
+    """One work unit per shard, in (split, index) order."""
+    chosen = select(cache.listing, limit)
+    units: list[dict[str, Any]] = []
+    for split in sorted(chosen):
+        # Shards get a seeded random mix of the listing (sorted by class): a shard of consecutive entries
+        # would hold one or two classes, and the epoch plan reads shard by shard. Sample ids stay the
+        # listing indices, so labels and ids never depend on this order.
+        items = mix_for_shards(chosen[split], split)
+        for j, lo in enumerate(range(0, len(items), shard_rows)):
+            units.append({"split": split, "index": j, "source": cache.listing.root, "out_dir": cache.location,
+                          "tiers": cache.tiers, "formats": {str(t): f for t, f in cache.formats.items()},
+                          "jpeg_quality": int(jpeg_quality), "io_threads": int(io_threads),
+                          "entries": [[sid, e.path, e.size, e.label] for sid, e in items[lo:lo + shard_rows]]})
+    return units
+
+
+def _find_built(cache: _Cache, units: list[dict[str, Any]], sizes: dict[str, int],
+                verify: bool) -> dict[str, dict[str, Any]]:
+    """Sidecars of the shards already built (an interrupted or damaged earlier run). A sidecar counts only
+    when every file it names is present with its recorded size (and sha256, when verifying)."""
+    fs, base = cache.fs, cache.base
+    progress_sizes = _sizes(fs, f"{base}/{PROGRESS_DIR}")
+    done: dict[str, dict[str, Any]] = {}
+    rejected: list[str] = []
+
+    def check(u: dict[str, Any]) -> tuple[str, dict[str, Any] | None, str]:
+        name = _unit_name(u["split"], u["index"])
+        if f"{name}.json" not in progress_sizes:
+            return name, None, ""
+        try:
+            sc = storage.read_json(f"{base}/{PROGRESS_DIR}/{name}.json", fs=fs)
+        except (OSError, ValueError) as exc:
+            return name, None, f"{name}: unreadable sidecar ({exc})"
+        bad = [p for f in sc.get("files", {}).values() if (p := _shard_ok(fs, base, f, sizes, verify))]
+        if sc.get("listed") != len(u["entries"]) or set(sc.get("files", {})) != (
+                {str(t) for t in cache.tiers} if sc.get("rows") else set()):
+            bad.append(f"{name}: sidecar does not match this shard's plan")
+        return name, (None if bad else sc), "; ".join(bad)
+
+    with ThreadPoolExecutor(16) as pool:  # sidecar reads are small; on object stores they are latency-bound
+        for name, sc, why in pool.map(check, units):
+            if sc is not None:
+                done[name] = sc
+            elif why:
+                rejected.append(why)
+    if rejected:
+        log.warning("prepare: %d cached shard(s) fail their check and will be rebuilt: %s", len(rejected),
+                    "; ".join(rejected[:5]))
+    return done
+
+
+def _clear_for_rebuild(cache: _Cache, sizes: dict[str, int]) -> None:
+    """Drop the stale manifest (written last again, once the rebuilt shards are in) and the temp files of
+    tasks killed mid-write; make sure the sidecar folder exists."""
+    if MANIFEST in sizes:
+        storage.remove(f"{cache.base}/{MANIFEST}", fs=cache.fs)
+    for name in sizes:
+        if name.startswith(".") and storage.TMP_MARK in name:
+            storage.remove(f"{cache.base}/{name}", fs=cache.fs)
+    storage.makedirs(f"{cache.base}/{PROGRESS_DIR}", fs=cache.fs)
+
+
+def _build_shards(todo: list[dict[str, Any]], done: dict[str, dict[str, Any]], num_cpus: float,
+                  concurrency: int | None, progress: Callable[[int, int], None] | None, t0: float) -> int:
+    """Build the missing shards as Ray Data tasks, adding each sidecar to ``done``; returns how many."""
+    if not todo:
+        return 0
+    import ray  # deferred: listing errors and cache hits must not pay for starting Ray
+    import ray.data
+
+    if not ray.is_initialized():
+        ray.init()  # what Ray Data would do on first use; needed here to size the default concurrency
+    if not concurrency:
+        # Fractional CPUs keep prepare schedulable beside Train workers, but more tasks than logical CPUs
+        # only adds worker processes (each pays the imports) competing for the same cores.
+        concurrency = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    ds = ray.data.from_items([{"unit": json.dumps(u)} for u in todo], override_num_blocks=len(todo))
+    ds = ds.map(_map_unit, num_cpus=num_cpus, concurrency=min(concurrency, len(todo)))
+    step = max(1, len(todo) // 10)
+    built = 0
+    for row in ds.iter_rows():
+        sc = json.loads(row["sidecar"])
+        done[_unit_name(sc["split"], sc["index"])] = sc
+        built += 1
+        if progress is not None:
+            progress(built, len(todo))
+        if built % step == 0 or built == len(todo):
+            log.info("prepare: %d/%d shards built (%.0f s)", built, len(todo), time.perf_counter() - t0)
+    return built
+
+
+def _write_manifest(cache: _Cache, units: list[dict[str, Any]], done: dict[str, dict[str, Any]], built: int,
+                    t0: float) -> None:
+    """bad_files.json, then manifest.json: the manifest goes last, so its presence means complete."""
+    man = _manifest(cache.key, cache.listing, cache.params, units, done, cache.tiers, cache.formats)
+    bad = [b for u in units for b in done[_unit_name(u["split"], u["index"])]["bad"]]
+    bad.sort(key=lambda b: (b["split"], b["sample_id"]))
+    storage.write_json(f"{cache.base}/{BAD_FILES}", bad, fs=cache.fs, indent=1)
+    storage.write_json(f"{cache.base}/{MANIFEST}", man, fs=cache.fs, indent=1)
+    counts = ", ".join(f"{s} {man['splits'][s]['num_samples']}" for s in sorted(man["splits"]))
+    log.info("prepare: wrote %s (%s samples; %d bad files skipped; %d shards built, %d reused) in %.1f s",
+             join(cache.location, MANIFEST), counts, len(bad), built, len(units) - built, time.perf_counter() - t0)
+    if bad:
+        log.warning("prepare: %d unreadable source files skipped, listed in %s (first: %s: %s)", len(bad),
+                    join(cache.location, BAD_FILES), bad[0]["path"], bad[0]["reason"])
 
 
 def prepare(source: str, cache_root: str, tiers: list[int], *, jpeg_quality: int = 90,
@@ -267,129 +415,28 @@ def prepare(source: str, cache_root: str, tiers: list[int], *, jpeg_quality: int
     """
     t0 = time.perf_counter()
     listing = list_imagefolder(source)  # every input error surfaces here, before any worker starts
-    tiers = _check_params(list(tiers), jpeg_quality, raw_max_resolution, shard_rows, limit, list(listing.splits))
-    formats = {t: tier_format(t, raw_max_resolution) for t in tiers}
-    limit = {k: int(v) for k, v in (limit or {}).items() if v}
-    params = {"tiers": tiers, "formats": {str(t): f for t, f in formats.items()}, "jpeg_quality": int(jpeg_quality),
-              "raw_max_resolution": int(raw_max_resolution), "shard_rows": int(shard_rows), "limit": limit,
-              "resample": images.RESAMPLE.name, "alpha_background": list(images.ALPHA_BACKGROUND),
-              "format_version": FORMAT_VERSION, "shard_mix_seed": SHARD_MIX_SEED}
-    key = cache_key(listing, params)
-    root = normalise_root(cache_root)
-    location = join(root, key)
-    fs, base = resolve_fs(location)
+    cache = _plan_cache(listing, cache_root, tiers, jpeg_quality, raw_max_resolution, shard_rows, limit)
+    sizes = _sizes(cache.fs, cache.base)
+    if MANIFEST in sizes and not verify and _manifest_intact(cache, sizes):
+        return _as_result(cache.location)
 
-    # Fast path: a complete manifest whose files are all present (one listing call, no Ray).
-    sizes = _sizes(fs, base)
-    if MANIFEST in sizes and not verify:
-        try:
-            man = Manifest.load(location)
-            problems = [p for split in man.splits for tier in man.tiers(split)
-                        for s in man.data["splits"][split]["tiers"][str(tier)]["shards"]
-                        if (p := _shard_ok(fs, base, s, sizes, False))]
-        except DataError as exc:
-            problems = [str(exc)]
-        if not problems:
-            log.info("prepare: cache hit %s (%d train samples, tiers %s): nothing to do", location,
-                     man.num_samples("train"), tiers)
-            return _as_result(location)
-        log.warning("prepare: cache %s is damaged (%s); rebuilding those shards", location, "; ".join(problems[:5]))
-
-    chosen = select(listing, limit)
-    units: list[dict[str, Any]] = []
-    for split in sorted(chosen):
-        # Shards get a seeded random mix of the listing (sorted by class): a shard of consecutive entries
-        # would hold one or two classes, and the epoch plan reads shard by shard. Sample ids stay the
-        # listing indices, so labels and ids never depend on this order.
-        items = mix_for_shards(chosen[split], split)
-        for j, lo in enumerate(range(0, len(items), shard_rows)):
-            units.append({"split": split, "index": j, "source": listing.root, "out_dir": location,
-                          "tiers": tiers, "formats": {str(t): f for t, f in formats.items()},
-                          "jpeg_quality": int(jpeg_quality), "io_threads": int(io_threads),
-                          "entries": [[sid, e.path, e.size, e.label] for sid, e in items[lo:lo + shard_rows]]})
-
-    # Which shards are already done (an interrupted or damaged earlier run)? A sidecar counts only when
-    # every file it names is present with its recorded size (and sha256, when verifying).
-    progress_sizes = _sizes(fs, f"{base}/{PROGRESS_DIR}")
-    done: dict[str, dict[str, Any]] = {}
-    rejected: list[str] = []
-
-    def check(u: dict[str, Any]) -> tuple[str, dict[str, Any] | None, str]:
-        name = _unit_name(u["split"], u["index"])
-        if f"{name}.json" not in progress_sizes:
-            return name, None, ""
-        try:
-            sc = read_json(fs, f"{base}/{PROGRESS_DIR}/{name}.json")
-        except (OSError, ValueError) as exc:
-            return name, None, f"{name}: unreadable sidecar ({exc})"
-        bad = [p for f in sc.get("files", {}).values() if (p := _shard_ok(fs, base, f, sizes, verify))]
-        if sc.get("listed") != len(u["entries"]) or set(sc.get("files", {})) != (
-                {str(t) for t in tiers} if sc.get("rows") else set()):
-            bad.append(f"{name}: sidecar does not match this shard's plan")
-        return name, (None if bad else sc), "; ".join(bad)
-
-    with ThreadPoolExecutor(16) as pool:  # sidecar reads are small; on object stores they are latency-bound
-        for name, sc, why in pool.map(check, units):
-            if sc is not None:
-                done[name] = sc
-            elif why:
-                rejected.append(why)
-    if rejected:
-        log.warning("prepare: %d cached shard(s) fail their check and will be rebuilt: %s", len(rejected),
-                    "; ".join(rejected[:5]))
+    units = _plan_shards(cache, limit, shard_rows, jpeg_quality, io_threads)
+    done = _find_built(cache, units, sizes, verify)
     todo = [u for u in units if _unit_name(u["split"], u["index"]) not in done]
-
     if not todo and MANIFEST in sizes:
-        log.info("prepare: cache hit %s: all %d shards verified; nothing to do", location, len(units))
-        return _as_result(location)
-    if MANIFEST in sizes:
-        fs.delete_file(f"{base}/{MANIFEST}")  # stale until the rebuilt shards are in: written last again
-    for name in sizes:
-        if name.startswith(".") and ".tmp-" in name:
-            fs.delete_file(f"{base}/{name}")  # leftovers of tasks killed mid-write
+        log.info("prepare: cache hit %s: all %d shards verified; nothing to do", cache.location, len(units))
+        return _as_result(cache.location)
+
+    _clear_for_rebuild(cache, sizes)
     if done:
-        log.info("prepare: resuming %s: %d of %d shards already built, %d to build", location, len(done),
+        log.info("prepare: resuming %s: %d of %d shards already built, %d to build", cache.location, len(done),
                  len(units), len(todo))
     else:
-        log.info("prepare: building %s: %d shards x %d tiers %s from %s", location, len(units), len(tiers), tiers,
-                 listing.root)
-    fs.create_dir(f"{base}/{PROGRESS_DIR}", recursive=True)
-
-    built = 0
-    if todo:
-        import ray  # deferred: listing errors and cache hits must not pay for starting Ray
-        import ray.data
-
-        if not ray.is_initialized():
-            ray.init()  # what Ray Data would do on first use; needed here to size the default concurrency
-        if not concurrency:
-            # Fractional CPUs keep prepare schedulable beside Train workers, but more tasks than logical CPUs
-            # only adds worker processes (each pays the imports) competing for the same cores.
-            concurrency = max(1, int(ray.cluster_resources().get("CPU", 1)))
-        ds = ray.data.from_items([{"unit": json.dumps(u)} for u in todo], override_num_blocks=len(todo))
-        ds = ds.map(_map_unit, num_cpus=num_cpus, concurrency=min(concurrency, len(todo)))
-        step = max(1, len(todo) // 10)
-        for row in ds.iter_rows():
-            sc = json.loads(row["sidecar"])
-            done[_unit_name(sc["split"], sc["index"])] = sc
-            built += 1
-            if progress is not None:
-                progress(built, len(todo))
-            if built % step == 0 or built == len(todo):
-                log.info("prepare: %d/%d shards built (%.0f s)", built, len(todo), time.perf_counter() - t0)
-
-    man = _manifest(key, listing, params, units, done, tiers, formats)
-    bad = [b for u in units for b in done[_unit_name(u["split"], u["index"])]["bad"]]
-    bad.sort(key=lambda b: (b["split"], b["sample_id"]))
-    write_bytes_atomic(fs, f"{base}/{BAD_FILES}", json.dumps(bad, indent=1).encode(), uuid.uuid4().hex[:12])
-    write_bytes_atomic(fs, f"{base}/{MANIFEST}", json.dumps(man, indent=1).encode(), uuid.uuid4().hex[:12])
-    counts = ", ".join(f"{s} {man['splits'][s]['num_samples']}" for s in sorted(man["splits"]))
-    log.info("prepare: wrote %s (%s samples; %d bad files skipped; %d shards built, %d reused) in %.1f s",
-             join(location, MANIFEST), counts, len(bad), built, len(units) - built, time.perf_counter() - t0)
-    if bad:
-        log.warning("prepare: %d unreadable source files skipped, listed in %s (first: %s: %s)", len(bad),
-                    join(location, BAD_FILES), bad[0]["path"], bad[0]["reason"])
-    return _as_result(location)
+        log.info("prepare: building %s: %d shards x %d tiers %s from %s", cache.location, len(units),
+                 len(cache.tiers), cache.tiers, listing.root)
+    built = _build_shards(todo, done, num_cpus, concurrency, progress, t0)
+    _write_manifest(cache, units, done, built, t0)
+    return _as_result(cache.location)
 
 
 def _manifest(key: str, listing: SourceListing, params: dict[str, Any], units: list[dict[str, Any]],

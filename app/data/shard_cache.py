@@ -14,7 +14,6 @@ Each process keeps the last few opened shards, since consecutive plan positions 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import pathlib
@@ -24,11 +23,12 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from PIL import Image
 
 from app.data import augment
+from app.storage import resolve_fs
+from app.storage import sha256 as sha256_file
 
 log = logging.getLogger(__name__)
 _MAX_OPEN = 16
@@ -42,24 +42,6 @@ def default_local_dir() -> str:
     return os.environ.get("LIGHTRAY_LOCAL_CACHE", "/tmp/lightray-cache")
 
 
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _is_local(uri: str) -> bool:
-    return "://" not in uri or uri.startswith("file://")
-
-
-def _fs_path(uri: str) -> tuple[pafs.FileSystem, str]:
-    if _is_local(uri):
-        return pafs.LocalFileSystem(), str(pathlib.Path(uri.removeprefix("file://")).resolve())
-    return pafs.FileSystem.from_uri(uri)
-
-
 def local_copy(uri: str, sha256: str, local_dir: str) -> str:
     """Path of a verified node-local copy of shard ``uri`` (content-addressed by its sha256)."""
     target = pathlib.Path(local_dir) / sha256[:2] / f"{sha256}.parquet"
@@ -68,7 +50,7 @@ def local_copy(uri: str, sha256: str, local_dir: str) -> str:
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(f".tmp{os.getpid()}")
-    fs, path = _fs_path(uri)
+    fs, path = resolve_fs(uri)
     try:
         with fs.open_input_stream(path) as src, open(tmp, "wb") as dst:
             while chunk := src.read(1 << 22):
@@ -94,7 +76,7 @@ def open_table(uri: str, sha256: str, local_dir: str, columns: list[str] | None 
 
 def read_columns(uri: str, columns: list[str]) -> pa.Table:
     """A few small columns straight from shared storage (no local copy): Parquet reads only those."""
-    fs, path = _fs_path(uri)
+    fs, path = resolve_fs(uri)
     return pq.read_table(path, columns=columns, filesystem=fs)
 
 

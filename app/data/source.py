@@ -10,10 +10,12 @@ a message naming the path, not minutes later inside a task.
 from __future__ import annotations
 
 import hashlib
-import pathlib
 from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
+
+from app import storage
+from app.storage import is_uri, join
 
 # torchvision's IMG_EXTENSIONS, compared case-insensitively (ImageNet has a few upper-case names).
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -51,37 +53,13 @@ class SourceListing:
         return len(self.splits.get(split, []))
 
 
-def is_uri(text: str) -> bool:
-    return "://" in text
-
-
 def resolve_fs(root: str) -> tuple[pafs.FileSystem, str]:
-    """(filesystem, path inside it) for a local path or any URI pyarrow understands (s3://, gs://, file://)."""
-    if is_uri(root):
-        try:
-            fs, path = pafs.FileSystem.from_uri(root)
-        except (ValueError, OSError) as exc:  # pyarrow's ArrowInvalid is a ValueError
-            raise DataError(f"{root}: cannot open this URI ({exc}); expected a path or a URI such as "
-                            "s3://bucket/prefix or file:///abs/path") from None
-        return fs, path.rstrip("/")
-    return pafs.LocalFileSystem(), str(pathlib.Path(root).expanduser().resolve())
-
-
-def normalise_root(root: str) -> str:
-    """The canonical spelling of a source or cache root (an absolute path for local ones)."""
-    if is_uri(root):
-        if root.startswith("file://"):
-            return str(pathlib.Path(root.removeprefix("file://")).resolve())
-        return root.rstrip("/")
-    return str(pathlib.Path(root).expanduser().resolve())
-
-
-def join(root: str, *parts: str) -> str:
-    """Join onto a local path or a URI with "/" (os.path.join would break s3://)."""
-    out = root.rstrip("/")
-    for p in parts:
-        out = f"{out}/{p.strip('/')}"
-    return out
+    """``storage.resolve_fs``, with a URI pyarrow cannot open reported as a DataError naming it."""
+    try:
+        return storage.resolve_fs(root)
+    except (ValueError, OSError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        raise DataError(f"{root}: cannot open this URI ({exc}); expected a path or a URI such as "
+                        "s3://bucket/prefix or file:///abs/path") from None
 
 
 def _is_image(name: str) -> bool:
@@ -99,7 +77,7 @@ def list_imagefolder(root: str) -> SourceListing:
     for a missing root, no ``train/`` split, a split or class folder without images, or an unknown
     val class.
     """
-    norm = normalise_root(root)
+    norm = storage.normalise(root)
     fs, base = resolve_fs(norm)
     try:
         info = fs.get_file_info(base)
@@ -109,7 +87,7 @@ def list_imagefolder(root: str) -> SourceListing:
         raise DataError(f"{root}: no such path; expected an ImageFolder tree with train/<class>/ folders")
     if info.type != pafs.FileType.Directory:
         raise DataError(f"{root}: is a file; expected a directory with train/<class>/ folders")
-    top = {i.base_name: i for i in fs.get_file_info(pafs.FileSelector(base))}
+    top = {i.base_name: i for i in storage.list_dir(base, detail=True, fs=fs)}
     if "train" not in top or top["train"].type != pafs.FileType.Directory:
         found = ", ".join(sorted(top)) or "nothing"
         raise DataError(f"{join(norm, 'train')}: missing; expected a train/ split folder with one folder per "
@@ -123,7 +101,7 @@ def list_imagefolder(root: str) -> SourceListing:
         split_dir = f"{base}/{split}"
         classes: dict[str, list[tuple[str, int, int]]] = {}
         # One recursive listing per split: on object stores a directory walk would cost a request per folder.
-        for fi in fs.get_file_info(pafs.FileSelector(split_dir, recursive=True)):
+        for fi in storage.list_dir(split_dir, detail=True, recursive=True, fs=fs):
             rel = fi.path[len(split_dir):].lstrip("/")
             if _hidden(rel):
                 continue
@@ -159,17 +137,8 @@ def list_imagefolder(root: str) -> SourceListing:
     return listing
 
 
-def read_bytes(fs: pafs.FileSystem, path: str) -> bytes:
-    """Whole-file read; open_input_stream avoids the extra metadata request random-access files make on S3."""
-    if isinstance(fs, pafs.LocalFileSystem):
-        with open(path, "rb") as f:  # plain open is the cheapest syscall path for local disks
-            return f.read()
-    with fs.open_input_stream(path) as f:
-        return f.readall()
-
-
 def local_path_or_none(root: str) -> str | None:
     """The local directory behind ``root``, or None for a remote URI."""
-    norm = normalise_root(root)
+    norm = storage.normalise(root)
     return None if is_uri(norm) else norm
 

@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from app import storage
 from app.report.plots import (
     ReportError,
     RunData,
@@ -52,7 +53,7 @@ def make_report(path: str) -> Path:
 def make_run_report(run_dir: Path) -> Path:
     run = load_run(run_dir)
     out = run.run_dir / REPORT_DIR
-    out.mkdir(exist_ok=True)
+    storage.makedirs(str(out))
     images = [
         ("Accuracy", plot_accuracy(run, out / "accuracy.png")),
         ("Throughput", plot_throughput(run, out / "throughput.png")),
@@ -87,7 +88,7 @@ def make_run_report(run_dir: Path) -> Path:
         md.append("<details><summary>config</summary>\n\n```yaml\n" + yaml.safe_dump(cfg, sort_keys=False)
                   + "```\n</details>\n")
     report = out / "report.md"
-    report.write_text("\n".join(md))
+    storage.write_text(str(report), "\n".join(md))
     return report
 
 
@@ -115,7 +116,7 @@ def read_trials(exp_dir: Path) -> tuple[list[dict[str, Any]], str, str]:
     """Trials, metric name and mode ("max"/"min") from an experiment's trials.json."""
     path = exp_dir / TRIALS_FILE
     try:
-        data = json.loads(path.read_text())
+        data = storage.read_json(str(path))
     except json.JSONDecodeError as exc:
         raise ReportError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     metric, mode = "val_top1", "max"
@@ -165,7 +166,7 @@ def _fmt(v: Any) -> str:
 def make_experiment_report(exp_dir: Path) -> Path:
     trials, metric, mode = read_trials(exp_dir)
     out = exp_dir / REPORT_DIR
-    out.mkdir(exist_ok=True)
+    storage.makedirs(str(out))
     runs: dict[str, RunData] = {}
     notes: list[str] = []
     for t in trials:
@@ -210,5 +211,5 @@ def make_experiment_report(exp_dir: Path) -> Path:
                     + [_fmt(params.get(k)) for k in param_keys])
     md.append(_table(["trial", "state", metric, "time (s)"] + param_keys, rows))
     report = out / "report.md"
-    report.write_text("\n".join(md))
+    storage.write_text(str(report), "\n".join(md))
     return report

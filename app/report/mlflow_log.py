@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from app import storage
 from app.report.progress import METRICS_FILE, read_metrics
 from app.report.tensorboard_log import TAGS
 
@@ -67,7 +68,7 @@ def _run_config(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
     if path.is_file():
         import yaml
 
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(storage.read_text(str(path)))
         if isinstance(data, dict):
             return data
     return {}
@@ -80,7 +81,7 @@ def log_run(uri: str, run_dir: str, experiment: str = "lightray") -> str:
     if not (d / METRICS_FILE).is_file():
         raise FileNotFoundError(f"{d}: no {METRICS_FILE}; expected a run folder <storage>/<name>/")
     summary_path = d / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    summary = storage.read_json(str(summary_path)) if summary_path.is_file() else {}
     records, _ = read_metrics(d / METRICS_FILE)
 
     mlflow.set_tracking_uri(uri)

@@ -17,6 +17,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display on cluster heads or CI
 import matplotlib.pyplot as plt
 
+from app import storage
 from app.report.progress import METRICS_FILE, read_metrics
 
 SUMMARY_FILE = "summary.json"
@@ -71,7 +72,7 @@ def _read_yaml(path: Path) -> dict[str, Any] | None:
     import yaml
 
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(storage.read_text(str(path)))
     except yaml.YAMLError:
         return None
     return data if isinstance(data, dict) else None
@@ -82,7 +83,7 @@ def read_summary(run_dir: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())
+        data = storage.read_json(str(path))
     except json.JSONDecodeError as exc:
         raise ReportError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}); "
                           "expected the run summary") from None

@@ -22,6 +22,8 @@ import threading
 from pathlib import Path
 from typing import Any, TextIO
 
+from app import storage
+
 METRICS_FILE = "metrics.jsonl"
 CLEAR_LINE = "\x1b[2K"  # ANSI erase-line: the new line may be shorter than the old one
 
@@ -38,49 +40,36 @@ def read_metrics(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], li
     A run killed mid-write can leave a truncated last line: it is skipped with a note. A bad line
     anywhere else means the file is not what the training loop writes, and raises MetricsFileError.
     """
-    p = Path(path)
-    if not p.is_file():
-        raise MetricsFileError(f"{p}: file not found; expected the metrics.jsonl a run writes")
-    lines = p.read_text(encoding="utf-8", errors="replace").splitlines()
-    records: list[dict[str, Any]] = []
-    notes: list[str] = []
-    for i, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if i == len(lines):
-                notes.append(f"{p}:{i}: truncated last line skipped (run stopped while writing?)")
-                continue
-            raise MetricsFileError(f"{p}:{i}: not a JSON object ({exc.msg}); got {line[:80]!r}") from None
-        if not isinstance(rec, dict):
-            raise MetricsFileError(f"{p}:{i}: expected a JSON object per line, got {type(rec).__name__}")
-        records.append(rec)
-    return records, notes
+    name = str(path) if storage.is_uri(str(path)) else str(Path(path))
+    if storage.file_size(name) is None:
+        raise MetricsFileError(f"{name}: file not found; expected the metrics.jsonl a run writes")
+    try:
+        return storage.parse_jsonl(storage.read_text(name, errors="replace"), name)
+    except storage.JsonlError as exc:
+        raise MetricsFileError(str(exc)) from None
 
 
 class _Tail:
     """Incremental reader of a file that another process appends to (and may replace on a fresh run)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: str):
         self.path = path
         self.offset = 0
         self.partial = b""  # a line whose newline has not been written yet
         self.bad_lines = 0
 
     def read_new(self) -> list[dict[str, Any]]:
-        try:
-            size = self.path.stat().st_size
-        except FileNotFoundError:
+        size = storage.file_size(self.path)
+        if size is None:
             return []
         if size < self.offset:  # truncated or replaced: start over
             self.offset, self.partial = 0, b""
         if size == self.offset:
             return []
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            chunk = f.read(size - self.offset)
+        try:
+            chunk = storage.read_bytes(self.path, offset=self.offset)
+        except FileNotFoundError:  # replaced between the size check and the read: next poll sees the new one
+            return []
         self.offset += len(chunk)
         data = self.partial + chunk
         *complete, self.partial = data.split(b"\n")
@@ -170,7 +159,7 @@ class ProgressPrinter:
                  every_s: float = 1.0, replay: bool = False):
         if every_s <= 0:
             raise ValueError(f"every_s: bad value {every_s!r}; expected seconds > 0")
-        self.run_dir = Path(run_dir)
+        self.run_dir = str(run_dir)
         self.stream = stream
         if tty is None:
             isatty = getattr(stream, "isatty", None)
@@ -178,7 +167,7 @@ class ProgressPrinter:
         self.tty = tty
         self.every_s = every_s
         self.replay = replay
-        self._tail = _Tail(self.run_dir / METRICS_FILE)
+        self._tail = _Tail(storage.join(self.run_dir, METRICS_FILE))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()

@@ -9,11 +9,12 @@ natural place to count them and to measure the work each failure lost.
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Any
 
 import ray
+
+from app import storage
 
 NAMESPACE = "lightray"
 
@@ -25,10 +26,10 @@ def actor_name(run_name: str) -> str:
 @ray.remote(num_cpus=0)
 class RunLog:
     def __init__(self, local_dir: str, tensorboard: bool = True):
-        os.makedirs(local_dir, exist_ok=True)
-        self.path = os.path.join(local_dir, "metrics.jsonl")
-        _drop_partial_last_line(self.path)  # a driver killed mid-write (resume appends after it)
-        self.tb_dir = os.path.join(local_dir, "tensorboard") if tensorboard else None
+        storage.makedirs(local_dir)
+        self.path = storage.join(local_dir, "metrics.jsonl")
+        storage.drop_partial_last_line(self.path)  # a driver killed mid-write (resume appends after it)
+        self.tb_dir = storage.join(local_dir, "tensorboard") if tensorboard else None
         self._tb = None
         self.last: dict[str, Any] = {}
         # Import torch's TensorBoard writer now, while the actor is fresh: a late first import of torch in
@@ -44,8 +45,7 @@ class RunLog:
 
     def log(self, record: dict[str, Any]) -> None:
         record = dict(record, time=record.get("time", time.time()))
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        storage.append_text(self.path, json.dumps(record) + "\n")
         if record.get("event") == "restart" and self._tb is not None:
             # Steps after the resumed checkpoint are replayed: drop their old points from TensorBoard.
             self._tb.close()
@@ -82,12 +82,3 @@ def start_runlog(run_name: str, local_dir: str, tensorboard: bool = True):
     return RunLog.options(name=actor_name(run_name), namespace=NAMESPACE, lifetime=None,
                           scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
                           ).remote(local_dir, tensorboard)
-
-
-def _drop_partial_last_line(path: str) -> None:
-    if not os.path.isfile(path):
-        return
-    with open(path, "rb+") as f:
-        data = f.read()
-        if data and not data.endswith(b"\n"):
-            f.truncate(data.rfind(b"\n") + 1)

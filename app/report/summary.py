@@ -5,25 +5,13 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
+import sys
 import time
 from typing import Any
 
+from app import storage
 from app.config import Config
-from app.train import state as st
-
-
-def git_revision() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    if rev.returncode != 0:
-        return "unknown"
-    return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+from app.provenance import git_revision
 
 
 def versions() -> dict[str, str]:
@@ -114,11 +102,11 @@ def write_summary(cfg: Config, run_dir: str, local_run_dir: str, records: list[d
         "git_revision": git_revision(),
         "versions": versions(),
         "hardware": hardware(use_gpu),
-        "command": " ".join(os.sys.argv),
+        "command": " ".join(sys.argv),
         "config": cfg.to_dict(),
     }
     data = json.dumps(summary, indent=2, default=str).encode()
-    st.write_bytes(st.join(run_dir, "summary.json"), data)
+    storage.write_bytes(storage.join(run_dir, "summary.json"), data)
     if local_run_dir != run_dir:
-        st.write_bytes(os.path.join(local_run_dir, "summary.json"), data)
+        storage.write_bytes(storage.join(local_run_dir, "summary.json"), data)
     return summary

@@ -18,13 +18,13 @@ import hashlib
 import io
 import json
 import logging
-import os
-import pathlib
 import re
 from dataclasses import asdict, dataclass
 
-import pyarrow.fs as pafs
 import torch
+
+from app import storage
+from app.storage import join, read_bytes, write_bytes
 
 log = logging.getLogger(__name__)
 CKPT_RE = re.compile(r"^checkpoint_(\d{12})$")
@@ -34,47 +34,14 @@ def checkpoint_name(samples_seen: int) -> str:
     return f"checkpoint_{samples_seen:012d}"
 
 
-def _fs(uri: str) -> tuple[pafs.FileSystem, str]:
-    if "://" in uri:
-        return pafs.FileSystem.from_uri(uri)
-    return pafs.LocalFileSystem(), str(pathlib.Path(uri).resolve())
-
-
-def read_bytes(uri: str) -> bytes:
-    fs, path = _fs(uri)
-    with fs.open_input_stream(path) as f:
-        return f.read()
-
-
-def write_bytes(uri: str, data: bytes) -> None:
-    """Write a small file atomically where the filesystem allows it (local: temp + rename)."""
-    fs, path = _fs(uri)
-    if isinstance(fs, pafs.LocalFileSystem):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-        return
-    with fs.open_output_stream(path) as f:
-        f.write(data)
-
-
-def join(base: str, *parts: str) -> str:
-    return "/".join([base.rstrip("/"), *parts])
-
-
 def save_rank_state(folder: str, rank: int, state: dict, meta: dict) -> None:
-    """Write this rank's state file, then its meta (with the file's sha256) into a local folder."""
-    os.makedirs(folder, exist_ok=True)
+    """Write this rank's state file, then its meta (with the file's sha256) into a folder."""
     buf = io.BytesIO()
     torch.save(state, buf)
     data = buf.getvalue()
-    with open(os.path.join(folder, f"state_rank{rank}.pt"), "wb") as f:
-        f.write(data)
+    write_bytes(join(folder, f"state_rank{rank}.pt"), data)
     meta = dict(meta, rank=rank, sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
-    with open(os.path.join(folder, f"meta_rank{rank}.json"), "w") as f:
-        json.dump(meta, f)
+    storage.write_json(join(folder, f"meta_rank{rank}.json"), meta)
 
 
 @dataclass
@@ -92,12 +59,12 @@ class ResumePoint:
 def validate_checkpoint(folder: str) -> dict:
     """Rank 0's meta if every rank's file is present and matches its hash; raises ValueError otherwise."""
     try:
-        meta0 = json.loads(read_bytes(join(folder, "meta_rank0.json")))
+        meta0 = storage.read_json(join(folder, "meta_rank0.json"))
     except (OSError, FileNotFoundError, json.JSONDecodeError) as exc:
         raise ValueError(f"{folder}: meta_rank0.json unreadable ({exc})") from None
     for r in range(int(meta0.get("world_size", 1))):
         try:
-            meta = meta0 if r == 0 else json.loads(read_bytes(join(folder, f"meta_rank{r}.json")))
+            meta = meta0 if r == 0 else storage.read_json(join(folder, f"meta_rank{r}.json"))
             data = read_bytes(join(folder, f"state_rank{r}.pt"))
         except (OSError, FileNotFoundError, json.JSONDecodeError) as exc:
             raise ValueError(f"{folder}: rank {r} files missing or unreadable ({exc})") from None
@@ -108,16 +75,15 @@ def validate_checkpoint(folder: str) -> dict:
 
 def list_checkpoints(run_dir: str) -> list[tuple[int, str]]:
     """(samples_seen, folder) of every checkpoint folder in the run, newest first."""
-    fs, path = _fs(run_dir)
     try:
-        infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+        infos = storage.list_dir(run_dir, detail=True)
     except OSError:
         return []
     out = []
     for info in infos:
-        m = CKPT_RE.match(os.path.basename(info.path))
-        if m and info.type == pafs.FileType.Directory:
-            out.append((int(m.group(1)), join(run_dir, os.path.basename(info.path))))
+        m = CKPT_RE.match(info.base_name)
+        if m and info.type == storage.FileType.Directory:
+            out.append((int(m.group(1)), join(run_dir, info.base_name)))
     return sorted(out, reverse=True)
 
 
@@ -143,7 +109,7 @@ def choose_and_record_resume(run_dir: str) -> ResumePoint:
 
 def read_recorded_resume(run_dir: str) -> ResumePoint:
     try:
-        return ResumePoint(**json.loads(read_bytes(join(run_dir, "resume.json"))))
+        return ResumePoint(**storage.read_json(join(run_dir, "resume.json")))
     except (OSError, FileNotFoundError):
         return ResumePoint(None, 0, 0, [])
 
