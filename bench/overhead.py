@@ -51,11 +51,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from app.train.device import IMAGENET_MEAN, IMAGENET_STD
 from bench.common import REPO, Machine, emit, note, ratio, read_jsonl
-
-MEAN = (0.485, 0.456, 0.406)
-STD = (0.229, 0.224, 0.225)
-
 
 POOL_STEPS = 50  # distinct global batches held in memory; step s trains on batch s % POOL_STEPS
 
@@ -108,8 +105,8 @@ def _plain_worker(rank: int, world: int, folder: str, images: np.ndarray, labels
                           weight_decay=cfg.optim.weight_decay)
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
     x_all, y_all = torch.from_numpy(images), torch.from_numpy(labels)
-    mean = torch.tensor(MEAN).view(1, 3, 1, 1) * 255
-    std = torch.tensor(STD).view(1, 3, 1, 1) * 255
+    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1) * 255
+    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255
     lo, hi = rank_slice(batch, world, rank)
     marks: dict[int, float] = {}
     losses = []

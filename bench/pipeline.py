@@ -23,10 +23,8 @@ used by bench/gpu_check.sh). Prints ONE JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
-import platform
 import shutil
 import sys
 import tempfile
@@ -35,6 +33,8 @@ import time
 
 import numpy as np
 from PIL import Image
+
+from bench.common import Machine, emit, tree_pss_mb
 
 MIN_SCALE = 0.35
 BATCH = 128
@@ -59,40 +59,15 @@ def make_source(root: str | os.PathLike, n_train: int, n_val: int = 0, classes: 
 
 
 class PeakMemory:
-    """Polls the PSS of this process tree (Linux /proc) and keeps the peak, in MB."""
+    """Polls the PSS of this process tree and keeps the peak, in MB."""
 
     def __init__(self, every_s: float = 0.2):
         self.every_s, self.peak, self._stop = every_s, 0.0, threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    @staticmethod
-    def tree_pss_mb() -> float:
-        children: dict[int, list[int]] = {}
-        for d in os.listdir("/proc"):
-            if d.isdigit():
-                try:
-                    with open(f"/proc/{d}/stat") as f:
-                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                    children.setdefault(ppid, []).append(int(d))
-                except (OSError, ValueError, IndexError):
-                    pass
-        total, todo = 0, [os.getpid()]
-        while todo:
-            pid = todo.pop()
-            todo += children.get(pid, [])
-            try:
-                with open(f"/proc/{pid}/smaps_rollup") as f:
-                    for line in f:
-                        if line.startswith("Pss:"):
-                            total += int(line.split()[1])
-                            break
-            except OSError:
-                pass
-        return total / 1024
-
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.tree_pss_mb())
+            self.peak = max(self.peak, tree_pss_mb(os.getpid()))
             self._stop.wait(self.every_s)
 
     def __enter__(self) -> PeakMemory:
@@ -102,7 +77,7 @@ class PeakMemory:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self.tree_pss_mb())
+        self.peak = max(self.peak, tree_pss_mb(os.getpid()))
 
 
 def baseline(root: pathlib.Path, size: int, workers: int, epochs: int, batch: int) -> tuple[float, float]:
@@ -163,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="CPU budget (cores)")
     ap.add_argument("--keep", default="", help="folder to keep the generated data in (reused when present)")
     args = ap.parse_args(argv)
+    machine = Machine()
     if args.quick or args.cpu_dry_run:
         args.images, args.epochs, args.baseline_epochs = min(args.images, 400), 1, 1
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -238,15 +214,9 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = -1.0
-    machine = {"cores": cores, "cpu_count": os.cpu_count(), "load_avg_1m_at_end": round(load, 2),
-               "python": platform.python_version(), "platform": platform.platform(), "images": args.images,
-               "sizes": sizes, "epochs": args.epochs, "baseline_epochs": args.baseline_epochs, "batch": batch,
-               "command": "python -m bench.pipeline " + " ".join(argv if argv is not None else sys.argv[1:])}
-    print(json.dumps({"bench": "pipeline", "figures": figures, "ratios": ratios, "machine": machine}))
+    emit("pipeline", figures, ratios,
+         machine.finish(argv, cores=cores, images=args.images, sizes=sizes, epochs=args.epochs,
+                        baseline_epochs=args.baseline_epochs, batch=batch))
     return 0
 
 
