@@ -25,8 +25,8 @@ import numpy as np
 import ray
 
 from app.data import augment
-from app.data.ingest import MAP_CPUS, UNIT_ROWS, IngestSpec, _images
 from app.data.plan import EpochPlan
+from app.data.spec import MAP_CPUS, UNIT_ROWS, IngestSpec
 
 log = logging.getLogger(__name__)
 MIN_CALIBRATION_SAMPLES = 2048  # below this a run is over before a calibration pays for itself
@@ -57,7 +57,7 @@ def _calibration_task(spec: IngestSpec, phase: int, start: int, rows: int) -> in
     glob = order[start:start + rows] if start + rows <= len(order) else np.resize(order, rows)
     shard_idx, r = plan.to_shard_row(glob)
     n = 0
-    for img, _label, sid in _images(ph.shards, spec.local_dir, shard_idx, r):
+    for img, _label, sid in ph.shards.images(spec.local_dir, shard_idx, r):
         augment.train_crop(img, ph.resolution, ph.min_scale, augment.sample_rng(spec.seed, 0, sid))
         n += 1
     return n

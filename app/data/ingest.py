@@ -20,10 +20,8 @@ How the pieces meet Ray Train:
 
 from __future__ import annotations
 
-import logging
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,83 +29,14 @@ import ray
 import ray.data
 import ray.train
 
-from app.data import augment, shard_cache
+from app.data import augment, autotune, shard_cache
 from app.data.plan import EpochPlan, rank_slice
 
-log = logging.getLogger(__name__)
-UNIT_ROWS = 512  # default global rows per unit: amortises task overhead, small enough for smooth streaming
-MAP_CPUS = 0.25  # default CPUs a map task reserves: fractional, so Data tasks never starve Train (ray#44687)
-
-
-@dataclass
-class TierShards:
-    tier: int
-    fmt: str  # "jpeg" | "raw"
-    uris: list[str]
-    sha256: list[str]
-    rows: list[int]
-    refs: list | None = None  # object-store level: one DecodedShard ref per shard (None = read from disk)
-
-    @property
-    def level(self) -> str:
-        return "object_store" if self.refs is not None else "local_disk"
-
-    def shard(self, index: int, local_dir: str) -> shard_cache.ShardView:
-        if self.refs is not None:
-            return shard_cache.object_store_shard(self.refs[index])
-        return shard_cache.parquet_shard(self.uris[index], self.sha256[index], self.fmt, local_dir)
-
-
-@dataclass
-class PhaseSpec:
-    index: int
-    resolution: int
-    batch_size: int
-    min_scale: float
-    first_epoch: int
-    end_epoch: int  # exclusive
-    shards: TierShards
-
-
-@dataclass
-class IngestSpec:
-    """Everything a Ray Data task needs; picklable and small (object-store data travels as refs)."""
-
-    seed: int
-    local_dir: str
-    train_size: int
-    phases: list[PhaseSpec]
-    val: TierShards
-    eval_resolution: int
-    val_crop_ratio: float
-    map_cpus: float = MAP_CPUS
-    map_concurrency: int | None = None  # tasks in flight, all ranks together; None = Ray Data's default
-    prefetch_batches: int = 2
-    phase_units: dict = field(default_factory=dict)
-    unit_rows: int = UNIT_ROWS
-    val_mode: str = "center"
-    val_order: np.ndarray | None = None  # rect: val rows (global index) sorted by aspect ratio
-    val_batches: list[dict] = field(default_factory=list)  # rect: {start, end, width, height} into val_order
-    events: list[dict] = field(default_factory=list)  # unit events (data_cache, preprocess_autotune) to log
-
-    def event(self, unit: str, message: str, **fields: Any) -> None:
-        log.info("%s: %s", unit, message)
-        self.events.append({"unit": unit, "message": message, **fields})
-
-
-def tier_shards(manifest: Any, split: str, want: int) -> TierShards:
-    """The smallest stored tier of ``split`` at or above ``want`` px (else the largest) as a TierShards."""
-    tier = manifest.tier_for(split, want)
-    shards = manifest.shards(split, tier)
-    return TierShards(tier, manifest.format(split, tier), [s.uri for s in shards], [s.sha256 for s in shards],
-                      [s.rows for s in shards])
-
-
-def _images(shards: TierShards, local_dir: str, shard_idx: np.ndarray, rows: np.ndarray):
-    """(PIL image, label, sample id) for (shard, row) pairs, in the given order."""
-    for s, r in zip(shard_idx.tolist(), rows.tolist()):
-        view = shards.shard(s, local_dir)
-        yield view.image(r), int(view.labels[r]), int(view.ids[r])
+# The spec and its parts stay importable from the ingest, whose public types they are ("X as X": re-exported).
+from app.data.spec import MAP_CPUS as MAP_CPUS
+from app.data.spec import UNIT_ROWS, IngestSpec, TierShards
+from app.data.spec import PhaseSpec as PhaseSpec
+from app.data.spec import tier_shards as tier_shards
 
 
 def train_unit_batch(units: dict, *, spec: IngestSpec, phase: int, rank: int, world_size: int) -> dict:
@@ -121,7 +50,7 @@ def train_unit_batch(units: dict, *, spec: IngestSpec, phase: int, rank: int, wo
         for step in range(step0, step0 + nsteps):
             glob = order[step * ph.batch_size + lo: step * ph.batch_size + hi]
             shard_idx, rows = plan.to_shard_row(glob)
-            for img, label, sid in _images(ph.shards, spec.local_dir, shard_idx, rows):
+            for img, label, sid in ph.shards.images(spec.local_dir, shard_idx, rows):
                 out_img.append(augment.train_crop(img, ph.resolution, ph.min_scale,
                                                   augment.sample_rng(spec.seed, epoch, sid)))
                 out_lab.append(label)
@@ -147,7 +76,7 @@ def val_unit_batch(units: dict, *, spec: IngestSpec, rank: int, world_size: int,
         if len(glob) == 0:
             continue
         shard_idx = np.searchsorted(offsets, glob, side="right") - 1
-        for img, label, sid in _images(spec.val, spec.local_dir, shard_idx, glob - offsets[shard_idx]):
+        for img, label, sid in spec.val.images(spec.local_dir, shard_idx, glob - offsets[shard_idx]):
             if spec.val_mode == "rect":
                 out_img.append(augment.rect_crop(img, width, height))
             else:
@@ -299,8 +228,6 @@ def finalize_spec(spec: IngestSpec, data: Any, train_cpus: float) -> None:
     """The start-up steps that need the cluster, in order: rect validation plan, object-store level,
     preprocessing calibration (last, so it times the level that will really serve). ``data`` is the
     config's DataConfig; ``train_cpus`` what the Train workers reserve."""
-    from app.data import autotune
-
     spec.unit_rows = data.unit_rows or UNIT_ROWS
     if data.val_mode == "rect":
         plan_rect_validation(spec, data.val_batch_size)
