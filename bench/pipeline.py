@@ -11,7 +11,7 @@ augmentation (random-resized-crop with scale (0.35, 1) + horizontal flip, uint8 
 (c) ``shard``: lightray's Ray Data ingest from the node-local shard cache (the steady state).
 (d) ``object``: the same from the object-store level (tier decoded once, materialize time reported).
 
-Each lightray figure is measured over ``--epochs`` whole epochs through the real ingest (plan units ->
+Each lightray figure is measured over ``--epochs`` whole epochs through the real ingest (plan blocks ->
 ``PlanDataConfig`` -> ``iter_batches``), start-up included. Peak memory = the largest sum of the
 proportional set size (PSS) of this process and all its descendants (DataLoader workers; Ray's raylet,
 GCS and workers, object store pages included) seen while that variant ran.
@@ -108,17 +108,17 @@ def _spec(manifest, size: int, local_dir: str, concurrency: int, epochs: int, ba
     return IngestSpec(seed=0, local_dir=local_dir, train_size=n,
                       phases=[PhaseSpec(0, size, batch, MIN_SCALE, 0, epochs, train)],
                       val=tier_shards(manifest, "train", size), eval_resolution=size, val_crop_ratio=0.875,
-                      map_cpus=1.0, map_concurrency=concurrency, unit_rows=batch)
+                      map_cpus=1.0, map_concurrency=concurrency, block_rows=batch)
 
 
 def lightray_epochs(spec) -> tuple[float, float, float]:
     """(images/s, seconds, peak MB) over every epoch of the spec's single phase, as a worker consumes it."""
-    from app.data.ingest import PlanDataConfig, make_units_dataset, phase_units
+    from app.data.ingest import PlanDataConfig, make_blocks_dataset, phase_blocks
 
     n = 0
     with PeakMemory() as mem:
         t0 = time.perf_counter()
-        ds = make_units_dataset(phase_units(spec, 0, 0, 0))
+        ds = make_blocks_dataset(phase_blocks(spec, 0, 0, 0))
         it = PlanDataConfig(spec).configure({"train_p0": ds}, 1, None, None)[0]["train_p0"]
         for batch in it.iter_batches(batch_size=spec.phases[0].batch_size, batch_format="numpy", prefetch_batches=2):
             n += len(batch["label"])

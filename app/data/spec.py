@@ -16,7 +16,7 @@ from PIL import Image
 from app.data import shard_cache
 
 log = logging.getLogger("app.data.ingest")  # the events are the ingest's: logged under its name
-UNIT_ROWS = 512  # default global rows per unit: amortises task overhead, small enough for smooth streaming
+BLOCK_ROWS = 512  # default global rows per plan block: amortises task overhead, small enough for smooth streaming
 MAP_CPUS = 0.25  # default CPUs a map task reserves: fractional, so Data tasks never starve Train (ray#44687)
 
 
@@ -70,8 +70,7 @@ class IngestSpec:
     map_cpus: float = MAP_CPUS
     map_concurrency: int | None = None  # tasks in flight, all ranks together; None = Ray Data's default
     prefetch_batches: int = 2
-    phase_units: dict = field(default_factory=dict)
-    unit_rows: int = UNIT_ROWS
+    block_rows: int = BLOCK_ROWS
     val_mode: str = "center"
     val_order: np.ndarray | None = None  # rect: val rows (global index) sorted by aspect ratio
     val_batches: list[dict] = field(default_factory=list)  # rect: {start, end, width, height} into val_order
