@@ -165,7 +165,7 @@ def same_multiset(carried: dict[int, list[int]], planned: dict[int, list[int]]) 
 
 def _refresh_ray_config() -> None:
     from ray._raylet import Config
-
+# --- multi-node clusters on this machine: node loss, elastic resize, preemption notice ----------------------------
     Config.initialize("")
 
 
