@@ -9,7 +9,7 @@ reservation, and measures delivered images/s at each. It picks the *smallest* co
 the best rate: more tasks than that add nothing but take cores from the training processes (and memory).
 Rows per task follow from the measured per-image cost (about half a second of work per task: task
 overhead stays small, batches still stream smoothly). Any of the three can be pinned in the config
-(``data.preprocess_concurrency``, ``data.preprocess_cpus``, ``data.unit_rows``); ``data.autotune_seconds=0``
+(``data.preprocess_concurrency``, ``data.preprocess_cpus``, ``data.block_rows``); ``data.autotune_seconds=0``
 turns the calibration off. The curve and the choice go to the run log as a ``preprocess_autotune`` unit
 event.
 """

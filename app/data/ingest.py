@@ -228,9 +228,9 @@ def finalize_spec(spec: IngestSpec, data: Any, train_cpus: float) -> None:
     """The start-up steps that need the cluster, in order: rect validation plan, object-store level,
     preprocessing calibration (last, so it times the level that will really serve). ``data`` is the
     config's DataConfig; ``train_cpus`` what the Train workers reserve."""
-    spec.block_rows = data.unit_rows or BLOCK_ROWS
+    spec.block_rows = data.block_rows or BLOCK_ROWS
     if data.val_mode == "rect":
         plan_rect_validation(spec, data.val_batch_size)
     materialize_tiers(spec, data.memory_budget_mb, data.prepare_cpus_per_task)
     autotune.apply(spec, concurrency=data.preprocess_concurrency, cpus=data.preprocess_cpus,
-                   block_rows=data.unit_rows, seconds=data.autotune_seconds, train_cpus=train_cpus)
+                   block_rows=data.block_rows, seconds=data.autotune_seconds, train_cpus=train_cpus)
