@@ -39,10 +39,8 @@ recipe and budget, with comm.mode dense, topk(0.01)+EF and topk(0.01) without EF
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -52,6 +50,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from bench.common import Machine, emit
 
 MODES = ["dense", "fp16", "bf16", "topk", "hierarchical_topk", "powersgd"]
 RATIO = 0.01
@@ -251,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra config override for the accuracy runs (e.g. schedule.epochs=4)")
     args = ap.parse_args(argv)
+    machine = Machine()
     if not 2 <= args.workers <= 4:
         ap.error(f"--workers: bad value {args.workers}; expected 2..4")
     figures: dict[str, Any] = {"ratio": RATIO, "workers": args.workers, "bucket_mb": BUCKET_MB}
@@ -292,10 +293,7 @@ def main(argv: list[str] | None = None) -> None:
             ratios["top1_topk_ef_over_dense"] = round(e / d, 4)
         if e and ne:
             ratios["top1_topk_ef_over_topk_no_ef"] = round(e / ne, 4)
-    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0],
-               "torch": torch.__version__, "backend": "gloo (CPU)",
-               "command": "python -m bench.comm " + " ".join(argv if argv is not None else sys.argv[1:])}
-    print(json.dumps({"bench": "comm", "figures": figures, "ratios": ratios, "machine": machine}))
+    emit("comm", figures, ratios, machine.finish(argv, backend="gloo (CPU)"))
 
 
 if __name__ == "__main__":

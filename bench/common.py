@@ -14,7 +14,9 @@ import platform
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, TextIO
+
+import psutil
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -57,7 +59,9 @@ class Machine:
         self.t0 = time.time()
         self.load_start = load_avg()
 
-    def finish(self, **extra: Any) -> dict[str, Any]:
+    def finish(self, argv: list[str] | None = None, **extra: Any) -> dict[str, Any]:
+        """The section; ``argv`` is the bench's arguments when ``main(argv)`` was called in-process (default:
+        this process's own), ``extra`` the bench's own fields (they win over the common ones)."""
         import torch
 
         try:
@@ -66,11 +70,12 @@ class Machine:
             ray_version = ray.__version__
         except ImportError:
             ray_version = "absent"
+        args = sys.argv[1:] if argv is None else argv
         return {"cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
                 "cpu_count": os.cpu_count(), "memory_gib": memory_gib(), "load_avg_1m_at_start": self.load_start,
                 "load_avg_1m_at_end": load_avg(), "torch": torch.__version__, "ray": ray_version,
                 "python": platform.python_version(), "platform": platform.platform(), "git": git_revision(),
-                "command": " ".join(["python", "-m", module_name(sys.argv[0]), *sys.argv[1:]]),
+                "command": " ".join(["python", "-m", module_name(sys.argv[0]), *args]),
                 "bench_wall_s": round(time.time() - self.t0, 1), **extra}
 
 
@@ -84,11 +89,13 @@ def module_name(argv0: str) -> str:
     return ".".join(p.with_suffix("").parts)
 
 
-def emit(bench: str, figures: dict[str, Any], ratios: dict[str, Any], machine: dict[str, Any]) -> dict[str, Any]:
-    """Print the bench's one JSON line on stdout (flushed) and return it."""
+def emit(bench: str, figures: dict[str, Any], ratios: dict[str, Any], machine: dict[str, Any],
+         out: TextIO | None = None) -> dict[str, Any]:
+    """Print the bench's one JSON line on ``out`` (default: stdout), flushed, and return it."""
     line = {"bench": bench, "figures": figures, "ratios": ratios, "machine": machine}
-    sys.stdout.write(json.dumps(line) + "\n")
-    sys.stdout.flush()
+    out = out or sys.stdout
+    out.write(json.dumps(line) + "\n")
+    out.flush()
     return line
 
 
@@ -114,3 +121,41 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 continue
     return out
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """Every live process below ``pid`` (not ``pid`` itself), zombies left out: what there is left to kill or
+    measure. Empty when ``pid`` is gone."""
+    try:
+        below = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for proc in below:
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def kill_processes(procs: list[psutil.Process]) -> None:
+    """SIGKILL each process that is still there (one that has already gone is skipped)."""
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            continue
+
+
+def tree_pss_mb(pid: int) -> float:
+    """Proportional set size of ``pid`` and every process below it, in MB: shared pages are split among the
+    processes sharing them, so forked workers are not counted several times."""
+    total = 0
+    for proc in [psutil.Process(pid), *process_tree(pid)]:
+        try:
+            total += proc.memory_full_info().pss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return total / 2**20

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One-GPU speed check for a lent machine (run by the lead on an H200; under 5 minutes):
+# One-GPU speed check (sized for one H200; under 5 minutes):
 #   1. ResNet-50 training images/s on synthetic data: plain fp32 vs lightray (bf16 + channels_last +
 #      cudnn.benchmark + fused SGD), with and without torch.compile  (bench/gpu_throughput.py)
-#   2. the data pipeline's delivered images/s: `python -m bench.pipeline --quick` when that bench exists
+#   2. the data pipeline's delivered images/s: `python -m bench.pipeline --quick`
 # and prints ONE JSON line {"bench": "gpu_check", "figures", "ratios", "machine", "parts"}.
 #
 #   bash bench/gpu_check.sh                 # on the GPU machine, from the repository root
@@ -45,20 +45,13 @@ run_part() {  # name limit_s command...
 }
 
 run_part throughput "$LIMIT_T" "$PY" -m bench.gpu_throughput "${THROUGHPUT_ARGS[@]}"
-if [ -f bench/pipeline.py ]; then
-  run_part pipeline "$LIMIT_P" "$PY" -m bench.pipeline "${PIPE_ARGS[@]}"
-else
-  echo "skipped: bench/pipeline.py not present" >"$TMP/pipeline.skip"
-fi
+run_part pipeline "$LIMIT_P" "$PY" -m bench.pipeline "${PIPE_ARGS[@]}"
 
 "$PY" - "$TMP" "$DRY" <<'PYEOF'
 import json, pathlib, sys
 tmp, dry = pathlib.Path(sys.argv[1]), sys.argv[2] == "1"
 out = {"bench": "gpu_check", "figures": {}, "ratios": {}, "machine": {}, "parts": {}}
 for name in ("throughput", "pipeline"):
-    if (tmp / f"{name}.skip").exists():
-        out["parts"][name] = {"status": (tmp / f"{name}.skip").read_text().strip()}
-        continue
     rc = int((tmp / f"{name}.rc").read_text())
     part = {"rc": rc, "seconds": int((tmp / f"{name}.s").read_text())}
     lines = [ln for ln in (tmp / f"{name}.out").read_text().splitlines() if ln.startswith("{")]

@@ -19,10 +19,7 @@ Prints one JSON line: {"bench": "gpu_throughput", "figures": ..., "ratios": ...,
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
@@ -33,6 +30,7 @@ from app.config import ModelConfig, OptimConfig
 from app.train import device as dev
 from app.train.model import build_model, to_device
 from app.train.optim import build_loss, build_optimizer, set_lr_momentum
+from bench.common import Machine, emit
 
 REFERENCE_A100_AMP_IMG_S = 2500.0
 TARGET_H200_IMG_S = 3000.0
@@ -112,19 +110,13 @@ def run_variant(name: str, args: argparse.Namespace, device: torch.device) -> di
     return out  # the model, optimiser and batches go with this frame; main() empties the CUDA cache
 
 
-def machine(device: torch.device, dry_run: bool) -> dict[str, Any]:
-    info: dict[str, Any] = {"device": str(device.type), "python": sys.version.split()[0], "torch": torch.__version__,
-                            "platform": platform.platform(), "dry_run": dry_run}
+def device_info(device: torch.device, dry_run: bool) -> dict[str, Any]:
+    """What the common machine section lacks: the device, and the GPU stack when there is one."""
+    info: dict[str, Any] = {"device": str(device.type), "dry_run": dry_run}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
         info["cuda"] = torch.version.cuda
         info["cudnn"] = torch.backends.cudnn.version()
-    try:
-        info["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                     timeout=5).stdout.strip() or "uncommitted"
-    except (OSError, subprocess.SubprocessError):
-        info["git"] = "unknown"
-    info["command"] = " ".join(["python -m bench.gpu_throughput", *sys.argv[1:]])
     return info
 
 
@@ -140,6 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--variants", default="plain,lightray,lightray_compile")
     p.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on CPU: checks the script, times nothing")
     args = p.parse_args(argv)
+    machine = Machine()
     if args.cpu_dry_run:
         device = torch.device("cpu")
         args.batch, args.res, args.classes, args.warmup, args.steps, args.windows = 2, 32, 10, 1, 1, 1
@@ -184,10 +177,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 ratios[f"{v}_over_plain"] = _r(results[v]["img_s"] / results["plain"]["img_s"])
     if "lightray" in results and "lightray_compile" in results:
         ratios["compile_over_eager"] = _r(results["lightray_compile"]["img_s"] / results["lightray"]["img_s"])
-    out = {"bench": "gpu_throughput", "figures": figures, "ratios": ratios,
-           "machine": machine(device, args.cpu_dry_run)}
-    print(json.dumps(out))
-    return out
+    return emit("gpu_throughput", figures, ratios, machine.finish(argv, **device_info(device, args.cpu_dry_run)))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ worker count. Steps/s are measured after the first ``--warmup`` steps on both si
     momentum schedule applied every step, the run-log actor and TensorBoard events every
     ``--report-every`` steps, ``ray.train.get_preemption_info()`` (a collective) at every report, the
     end-of-epoch validation + checkpoint (after the timed range). The data path is a thin variant of
-    ``app.data.ingest.PlanDataConfig``: the same per-rank streams (plan units -> ``map_batches`` tasks with
+    ``app.data.ingest.PlanDataConfig``: the same per-rank streams (plan blocks -> ``map_batches`` tasks with
     the same fractional CPUs, per-rank task pool and ``preserve_order``) but each task slices the rank's
     rows out of the pre-decoded tensors (one object-store array) instead of decoding + cropping shard
     rows, so JPEG decode and augmentation are not measured; Ray Data streaming + Ray Train + the worker
@@ -51,11 +51,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from app.train.device import IMAGENET_MEAN, IMAGENET_STD
 from bench.common import REPO, Machine, emit, note, ratio, read_jsonl
-
-MEAN = (0.485, 0.456, 0.406)
-STD = (0.229, 0.224, 0.225)
-
 
 POOL_STEPS = 50  # distinct global batches held in memory; step s trains on batch s % POOL_STEPS
 
@@ -108,8 +105,8 @@ def _plain_worker(rank: int, world: int, folder: str, images: np.ndarray, labels
                           weight_decay=cfg.optim.weight_decay)
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
     x_all, y_all = torch.from_numpy(images), torch.from_numpy(labels)
-    mean = torch.tensor(MEAN).view(1, 3, 1, 1) * 255
-    std = torch.tensor(STD).view(1, 3, 1, 1) * 255
+    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1) * 255
+    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255
     lo, hi = rank_slice(batch, world, rank)
     marks: dict[int, float] = {}
     losses = []
@@ -149,28 +146,28 @@ def run_plain(images: np.ndarray, labels: np.ndarray, cfg_dict: dict, workers: i
 
 
 # --- (b) lightray ---------------------------------------------------------------------------------
-def _slice_units(units: dict, *, data: list, batch: int, rank: int, world_size: int) -> dict:
-    """Rank's rows of the steps in ``units``: the in-memory stand-in for ``ingest.train_unit_batch``."""
+def _slice_blocks(blocks: dict, *, data: list, batch: int, rank: int, world_size: int) -> dict:
+    """Rank's rows of the steps in ``blocks``: the in-memory stand-in for ``ingest.train_block_batch``."""
     import ray
 
     from app.data.plan import rank_slice
 
     images, labels = ray.get(data[0])  # zero-copy views of the object-store arrays
     lo, hi = rank_slice(batch, world_size, rank)
-    idx = [(step % POOL_STEPS) * batch + i for epoch, step0, n in zip(units["epoch"].tolist(), units["step0"].tolist(),
-                                                       units["nsteps"].tolist())
+    idx = [(step % POOL_STEPS) * batch + i
+           for epoch, step0, n in zip(blocks["epoch"].tolist(), blocks["step0"].tolist(), blocks["nsteps"].tolist())
            for step in range(step0, step0 + n) for i in range(lo, hi)]
     idx_a = np.asarray(idx, dtype=np.int64)
     return {"image": images[idx_a], "label": labels[idx_a], "sample_id": idx_a,
             "epoch": np.zeros(len(idx_a), dtype=np.int64)}
 
 
-def _val_rows(units: dict, *, data: list, rank: int, world_size: int) -> dict:
+def _val_rows(blocks: dict, *, data: list, rank: int, world_size: int) -> dict:
     import ray
 
     images, labels = ray.get(data[0])
     idx = np.concatenate([np.arange(s + rank, e, world_size) for s, e in
-                          zip(units["start"].tolist(), units["end"].tolist())]).astype(np.int64)
+                          zip(blocks["start"].tolist(), blocks["end"].tolist())]).astype(np.int64)
     return {"image": images[idx], "label": labels[idx], "sample_id": idx}
 
 
@@ -181,7 +178,7 @@ def _in_memory_data_config(spec, data_ref, val_ref, batch: int):
     class InMemoryPlanDataConfig(PlanDataConfig):
         def map_for(self, name, rank, world_size):
             if name.startswith("train_p"):
-                fn, kw = _slice_units, {"data": [data_ref], "batch": batch}
+                fn, kw = _slice_blocks, {"data": [data_ref], "batch": batch}
             else:
                 fn, kw = _val_rows, {"data": [val_ref]}
             return fn, {**kw, "rank": rank, "world_size": world_size}
@@ -189,15 +186,15 @@ def _in_memory_data_config(spec, data_ref, val_ref, batch: int):
     return InMemoryPlanDataConfig(spec)
 
 
-def _train_units(run_dir: str, spec):
-    from app.data.ingest import make_units_dataset, phase_units
+def _train_blocks(run_dir: str, spec):
+    from app.data.ingest import make_blocks_dataset, phase_blocks
     from app.train import state as st
 
     st.choose_and_record_resume(run_dir)  # what runner._train_dataset does at each worker-group start
-    return make_units_dataset(phase_units(spec, 0, 0, 0))
+    return make_blocks_dataset(phase_blocks(spec, 0, 0, 0))
 
 
-def _val_units(n: int):
+def _val_blocks(n: int):
     import ray.data
 
     return ray.data.from_items([{"start": 0, "end": n}], override_num_blocks=1)
@@ -238,7 +235,7 @@ def run_lightray(images: np.ndarray, labels: np.ndarray, cfg, steps: int, warmup
         run_config=RunConfig(name=cfg.name, storage_path=cfg.storage,
                              failure_config=FailureConfig(max_failures=0),
                              checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep)),
-        datasets={"train_p0": partial(_train_units, run_dir, spec), "val": partial(_val_units, val_n)},
+        datasets={"train_p0": partial(_train_blocks, run_dir, spec), "val": partial(_val_blocks, val_n)},
         dataset_config=_in_memory_data_config(spec, data_ref, val_ref, ph.batch_size),
     )
     trainer.fit()

@@ -11,7 +11,7 @@ augmentation (random-resized-crop with scale (0.35, 1) + horizontal flip, uint8 
 (c) ``shard``: lightray's Ray Data ingest from the node-local shard cache (the steady state).
 (d) ``object``: the same from the object-store level (tier decoded once, materialize time reported).
 
-Each lightray figure is measured over ``--epochs`` whole epochs through the real ingest (plan units ->
+Each lightray figure is measured over ``--epochs`` whole epochs through the real ingest (plan blocks ->
 ``PlanDataConfig`` -> ``iter_batches``), start-up included. Peak memory = the largest sum of the
 proportional set size (PSS) of this process and all its descendants (DataLoader workers; Ray's raylet,
 GCS and workers, object store pages included) seen while that variant ran.
@@ -23,10 +23,8 @@ used by bench/gpu_check.sh). Prints ONE JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
-import platform
 import shutil
 import sys
 import tempfile
@@ -35,6 +33,8 @@ import time
 
 import numpy as np
 from PIL import Image
+
+from bench.common import Machine, emit, tree_pss_mb
 
 MIN_SCALE = 0.35
 BATCH = 128
@@ -59,40 +59,15 @@ def make_source(root: str | os.PathLike, n_train: int, n_val: int = 0, classes: 
 
 
 class PeakMemory:
-    """Polls the PSS of this process tree (Linux /proc) and keeps the peak, in MB."""
+    """Polls the PSS of this process tree and keeps the peak, in MB."""
 
     def __init__(self, every_s: float = 0.2):
         self.every_s, self.peak, self._stop = every_s, 0.0, threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    @staticmethod
-    def tree_pss_mb() -> float:
-        children: dict[int, list[int]] = {}
-        for d in os.listdir("/proc"):
-            if d.isdigit():
-                try:
-                    with open(f"/proc/{d}/stat") as f:
-                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                    children.setdefault(ppid, []).append(int(d))
-                except (OSError, ValueError, IndexError):
-                    pass
-        total, todo = 0, [os.getpid()]
-        while todo:
-            pid = todo.pop()
-            todo += children.get(pid, [])
-            try:
-                with open(f"/proc/{pid}/smaps_rollup") as f:
-                    for line in f:
-                        if line.startswith("Pss:"):
-                            total += int(line.split()[1])
-                            break
-            except OSError:
-                pass
-        return total / 1024
-
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.tree_pss_mb())
+            self.peak = max(self.peak, tree_pss_mb(os.getpid()))
             self._stop.wait(self.every_s)
 
     def __enter__(self) -> PeakMemory:
@@ -102,7 +77,7 @@ class PeakMemory:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self.tree_pss_mb())
+        self.peak = max(self.peak, tree_pss_mb(os.getpid()))
 
 
 def baseline(root: pathlib.Path, size: int, workers: int, epochs: int, batch: int) -> tuple[float, float]:
@@ -133,17 +108,17 @@ def _spec(manifest, size: int, local_dir: str, concurrency: int, epochs: int, ba
     return IngestSpec(seed=0, local_dir=local_dir, train_size=n,
                       phases=[PhaseSpec(0, size, batch, MIN_SCALE, 0, epochs, train)],
                       val=tier_shards(manifest, "train", size), eval_resolution=size, val_crop_ratio=0.875,
-                      map_cpus=1.0, map_concurrency=concurrency, unit_rows=batch)
+                      map_cpus=1.0, map_concurrency=concurrency, block_rows=batch)
 
 
 def lightray_epochs(spec) -> tuple[float, float, float]:
     """(images/s, seconds, peak MB) over every epoch of the spec's single phase, as a worker consumes it."""
-    from app.data.ingest import PlanDataConfig, make_units_dataset, phase_units
+    from app.data.ingest import PlanDataConfig, make_blocks_dataset, phase_blocks
 
     n = 0
     with PeakMemory() as mem:
         t0 = time.perf_counter()
-        ds = make_units_dataset(phase_units(spec, 0, 0, 0))
+        ds = make_blocks_dataset(phase_blocks(spec, 0, 0, 0))
         it = PlanDataConfig(spec).configure({"train_p0": ds}, 1, None, None)[0]["train_p0"]
         for batch in it.iter_batches(batch_size=spec.phases[0].batch_size, batch_format="numpy", prefetch_batches=2):
             n += len(batch["label"])
@@ -163,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="CPU budget (cores)")
     ap.add_argument("--keep", default="", help="folder to keep the generated data in (reused when present)")
     args = ap.parse_args(argv)
+    machine = Machine()
     if args.quick or args.cpu_dry_run:
         args.images, args.epochs, args.baseline_epochs = min(args.images, 400), 1, 1
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -238,15 +214,9 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = -1.0
-    machine = {"cores": cores, "cpu_count": os.cpu_count(), "load_avg_1m_at_end": round(load, 2),
-               "python": platform.python_version(), "platform": platform.platform(), "images": args.images,
-               "sizes": sizes, "epochs": args.epochs, "baseline_epochs": args.baseline_epochs, "batch": batch,
-               "command": "python -m bench.pipeline " + " ".join(argv if argv is not None else sys.argv[1:])}
-    print(json.dumps({"bench": "pipeline", "figures": figures, "ratios": ratios, "machine": machine}))
+    emit("pipeline", figures, ratios,
+         machine.finish(argv, cores=cores, images=args.images, sizes=sizes, epochs=args.epochs,
+                        baseline_epochs=args.baseline_epochs, batch=batch))
     return 0
 
 

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
-import platform
-import sys
 import tempfile
 import time
 
@@ -22,6 +19,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
+
+from bench.common import Machine, emit
 
 TIERS = [64, 128, 224]
 RAW_MAX = 64
@@ -65,6 +64,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--images", type=int, default=96)
     args = ap.parse_args()
+    machine = Machine()
     import ray
 
     from app.data import prepare as prep
@@ -105,9 +105,7 @@ def main() -> None:
                "lightray_prepare_images_per_s": round(n / ray_s, 1), "noop_rerun_s": round(noop_s, 4)}
     ratios = {"per_core_throughput_over_naive": round(naive_s / single_s, 2),
               "prepare_throughput_over_naive_serial": round(naive_s / ray_s, 2)}
-    machine = {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform(),
-               "pillow": Image.__version__, "pyarrow": pa.__version__, "ray": ray.__version__}
-    print(json.dumps({"bench": "prepare", "figures": figures, "ratios": ratios, "machine": machine}))
+    emit("prepare", figures, ratios, machine.finish(pillow=Image.__version__, pyarrow=pa.__version__))
 
 
 if __name__ == "__main__":

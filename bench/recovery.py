@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import statistics
 import sys
 import tempfile
@@ -47,6 +46,7 @@ ROOT = pathlib.Path(__file__).parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.common import Machine, emit  # noqa: E402
 from tests.faults import (  # noqa: E402  (the same real cluster + driver helpers as the tests)
     NodeCluster,
     checkpoints,
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     json_out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    load_before = os.getloadavg()
+    machine = Machine()
     tmp = tempfile.TemporaryDirectory(prefix="bench-recovery-")
     base = pathlib.Path(args.keep or tmp.name)
     storage, cache = base / "runs", base / "cache"
@@ -148,19 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         "restart_overhead_no_notice_over_notice": round(no_notice["restart_overhead_s"] /
                                                         max(notice["restart_overhead_s"], 1e-3), 3),
     }
-    import ray
-    import torch
-
-    out = {"bench": "recovery",
-           "figures": {"no_notice": no_notice, "notice": notice, "fail_after_samples": args.fail_after,
-                       "checkpoint_every_steps": 4, "workers": 2, "bench_wall_s": round(time.time() - t0, 1)},
-           "ratios": ratios,
-           "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                       "torch": torch.__version__, "ray": ray.__version__,
-                       "loadavg_before": [round(x, 2) for x in load_before],
-                       "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-                       "nodes": "ray.cluster_utils.Cluster: head (2 CPU) + 2 worker nodes (1 CPU, trainer=1)"}}
-    print(json.dumps(out), file=json_out, flush=True)
+    figures = {"no_notice": no_notice, "notice": notice, "fail_after_samples": args.fail_after,
+               "checkpoint_every_steps": 4, "workers": 2, "bench_wall_s": round(time.time() - t0, 1)}
+    nodes_desc = "ray.cluster_utils.Cluster: head (2 CPU) + 2 worker nodes (1 CPU, trainer=1)"
+    emit("recovery", figures, ratios, machine.finish(argv, nodes=nodes_desc), out=json_out)
     tmp.cleanup()
     return 0
 

@@ -14,12 +14,13 @@ import contextlib
 import json
 import os
 import pathlib
-import platform
 import sys
 import tempfile
 import time
 
 import yaml
+
+from bench.common import Machine, emit
 
 SPACE = {
     "metric": "val_top1",
@@ -75,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     # dashboard, or several Ray instances on one machine), and the baseline must not starve on those.
     p.add_argument("--num-cpus", type=int, default=4 * (os.cpu_count() or 1))
     args = p.parse_args(argv)
+    machine = Machine()
 
     import ray
 
-    load_before = os.getloadavg()
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         with tempfile.TemporaryDirectory(prefix="bench-search-") as tmp:
@@ -93,10 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         "best_top1_tpe_asha_over_random": round(tpe["best_top1"] / max(rnd["best_top1"], 1e-9), 3),
         "trial_seconds_random_over_tpe_asha": round(rnd["trial_seconds"] / max(tpe["trial_seconds"], 1e-9), 3),
     }
-    machine = {"cpus": os.cpu_count(), "load_before": [round(x, 2) for x in load_before],
-               "load_after": [round(x, 2) for x in os.getloadavg()], "python": platform.python_version(),
-               "ray": ray.__version__, "ray_num_cpus": args.num_cpus}
-    print(json.dumps({"bench": "search", "figures": figures, "ratios": ratios, "machine": machine}), flush=True)
+    emit("search", figures, ratios, machine.finish(argv, ray_num_cpus=args.num_cpus))
     return 0
 
 

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from bench.common import Machine, emit, note, ratio, read_jsonl
+from bench.common import Machine, emit, load_avg, note, ratio, read_jsonl
 
 DEFAULT_STORAGE = os.path.join(os.environ.get("TMPDIR", "/tmp"), "lightray-bench-tta")
 
@@ -88,10 +88,11 @@ def run_baseline(tree: str, *, epochs: int, targets: list[float], batch: int, re
     from torchvision.datasets import ImageFolder
 
     from app.config import ModelConfig
+    from app.train.device import IMAGENET_MEAN, IMAGENET_STD
     from app.train.model import build_model
 
     t_start = time.perf_counter()
-    normalize = T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
+    normalize = T.Normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD)
     train_set = ImageFolder(os.path.join(tree, "train"), T.Compose(
         [T.RandomResizedCrop(resolution), T.RandomHorizontalFlip(), T.ToTensor(), normalize]))
     val_set = ImageFolder(os.path.join(tree, "val"), T.Compose(
@@ -200,15 +201,15 @@ def main(argv: list[str] | None = None) -> int:
     demo_s = time.perf_counter() - t
     note(f"demo tree {tree} ready ({demo_s:.1f} s); lightray demo recipe first (its figure is the one the "
          "baseline is measured against; the baseline then stops at the target or its cap)")
-    loads = {"lightray_load_1m_at_start": round(os.getloadavg()[0], 2)}
+    loads = {"lightray_load_1m_at_start": load_avg()}
     light = run_lightray(args.storage, overrides, args.target)
-    loads["baseline_load_1m_at_start"] = round(os.getloadavg()[0], 2)
+    loads["baseline_load_1m_at_start"] = load_avg()
     note(f"lightray: reached={light['reached']} in {light['train_s_to_target']} s; top-1 per epoch "
          f"{light['top1_per_epoch']}; baseline: ImageFolder + DataLoader({cores} workers)")
     base = run_baseline(tree, epochs=args.baseline_epochs, targets=args.target, batch=args.batch,
                         resolution=resolution, workers=cores, weight_decay=args.weight_decay,
                         classes_expected=demo_cfg.data.demo_classes)
-    loads["baseline_load_1m_at_end"] = round(os.getloadavg()[0], 2)
+    loads["baseline_load_1m_at_end"] = load_avg()
     note(f"baseline: reached={base['reached']} in {base['train_s_to_target']} s")
 
     def r2(v: float | None) -> float | None:

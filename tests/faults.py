@@ -15,6 +15,8 @@ from collections import defaultdict
 import numpy as np
 import pyarrow.parquet as pq
 
+from bench.common import kill_processes, process_tree, read_jsonl
+
 ROOT = pathlib.Path(__file__).parents[1]
 
 
@@ -33,15 +35,7 @@ def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = No
 
 def records(run_dir: pathlib.Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
+    return read_jsonl(path) if path.is_file() else []
 
 
 def last_samples(run_dir: pathlib.Path) -> int:
@@ -63,36 +57,15 @@ def driver(storage: pathlib.Path, name: str, *args: str, cache: pathlib.Path, ad
                             env={**os.environ, **(env or {})}, start_new_session=True)
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (from /proc), children first found first."""
-    children: dict[int, list[int]] = defaultdict(list)
-    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children[int(fields[1])].append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def kill_group(proc: subprocess.Popen) -> None:
     """Kill the driver and everything it started, as losing its machine would: the local Ray cluster's
     processes start sessions of their own, so the process group alone does not reach them."""
-    tree = descendants(proc.pid)
+    tree = process_tree(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    for pid in tree:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_processes(tree)
     proc.wait(timeout=60)
 
 
@@ -165,7 +138,7 @@ def final_state(run_dir: pathlib.Path) -> dict:
     return torch.load(last / "state_rank0.pt", map_location="cpu", weights_only=False)
 
 
-# --- multi-node clusters on this machine (issue 6: node loss, elastic resize, preemption notice) -----------------
+# --- multi-node clusters on this machine: node loss, elastic resize, preemption notice ---------------------------
 def train_records(run_dir: pathlib.Path) -> list[dict]:
     """Training metrics lines (no events, no end-of-epoch validation lines)."""
     return [r for r in records(run_dir) if "event" not in r and "val_top1" not in r]
@@ -192,7 +165,7 @@ def same_multiset(carried: dict[int, list[int]], planned: dict[int, list[int]]) 
 
 def _refresh_ray_config() -> None:
     from ray._raylet import Config
-
+# --- multi-node clusters on this machine: node loss, elastic resize, preemption notice ----------------------------
     Config.initialize("")
 
 

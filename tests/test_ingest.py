@@ -22,12 +22,12 @@ from app.data.ingest import (
     PhaseSpec,
     PlanDataConfig,
     materialize_tiers,
-    phase_units,
+    phase_blocks,
     plan_rect_validation,
     tier_shards,
-    train_unit_batch,
+    train_block_batch,
+    val_block_batch,
     val_dataset,
-    val_unit_batch,
 )
 from app.data.manifest import Manifest
 from app.data.prepare import prepare
@@ -59,12 +59,12 @@ def make_spec(manifest: Manifest, local_dir: str, epochs: int = 2) -> IngestSpec
     return IngestSpec(seed=3, local_dir=local_dir, train_size=manifest.num_samples("train"),
                       phases=[PhaseSpec(0, 16, 24, 0.35, 0, 1, tier_shards(manifest, "train", 16)),
                               PhaseSpec(1, 24, 24, 0.5, 1, epochs, tier_shards(manifest, "train", 24))],
-                      val=tier_shards(manifest, "val", 24), eval_resolution=16, val_crop_ratio=0.875, unit_rows=48)
+                      val=tier_shards(manifest, "val", 24), eval_resolution=16, val_crop_ratio=0.875, block_rows=48)
 
 
-def units_of(spec: IngestSpec, phase: int) -> dict:
-    units = phase_units(spec, phase, spec.phases[phase].first_epoch, 0)
-    return {k: np.array([u[k] for u in units]) for k in ("epoch", "step0", "nsteps")}
+def blocks_of(spec: IngestSpec, phase: int) -> dict:
+    blocks = phase_blocks(spec, phase, spec.phases[phase].first_epoch, 0)
+    return {k: np.array([b[k] for b in blocks]) for k in ("epoch", "step0", "nsteps")}
 
 
 def fresh_process_caches() -> None:
@@ -89,11 +89,11 @@ def test_each_phase_reads_the_level_its_decoded_size_fits(manifest, tmp_path):
 
     # And the map function really reads from there.
     fresh_process_caches()
-    out = train_unit_batch(units_of(spec, 0), spec=spec, phase=0, rank=0, world_size=1)
+    out = train_block_batch(blocks_of(spec, 0), spec=spec, phase=0, rank=0, world_size=1)
     assert shard_cache.STATS["object_store_reads"] > 0 and shard_cache.STATS["parquet_reads"] == 0
     assert out["image"].shape[1:] == (16, 16, 3)
     fresh_process_caches()
-    out = train_unit_batch(units_of(spec, 1), spec=spec, phase=1, rank=0, world_size=1)
+    out = train_block_batch(blocks_of(spec, 1), spec=spec, phase=1, rank=0, world_size=1)
     assert shard_cache.STATS["object_store_reads"] == 0 and shard_cache.STATS["parquet_reads"] > 0
     assert out["image"].shape[1:] == (24, 24, 3)
 
@@ -105,14 +105,14 @@ def test_object_store_serves_the_same_pixels_as_the_shard_tier(manifest, tmp_pat
     assert mem.phases[1].shards.level == "object_store" and mem.val.level == "object_store"
     for phase in (0, 1):  # raw and JPEG tiers
         fresh_process_caches()
-        a = train_unit_batch(units_of(disk, phase), spec=disk, phase=phase, rank=1, world_size=2)
-        b = train_unit_batch(units_of(mem, phase), spec=mem, phase=phase, rank=1, world_size=2)
+        a = train_block_batch(blocks_of(disk, phase), spec=disk, phase=phase, rank=1, world_size=2)
+        b = train_block_batch(blocks_of(mem, phase), spec=mem, phase=phase, rank=1, world_size=2)
         assert len(a["sample_id"]) > 0
         for k in ("image", "label", "sample_id", "epoch"):
             assert np.array_equal(a[k], b[k]), (phase, k)
-    units = {"start": np.array([0]), "end": np.array([36]), "width": np.array([16]), "height": np.array([16])}
-    a = val_unit_batch(units, spec=disk, rank=0, world_size=1, resolution=16)
-    b = val_unit_batch(units, spec=mem, rank=0, world_size=1, resolution=16)
+    block = {"start": np.array([0]), "end": np.array([36]), "width": np.array([16]), "height": np.array([16])}
+    a = val_block_batch(block, spec=disk, rank=0, world_size=1, resolution=16)
+    b = val_block_batch(block, spec=mem, rank=0, world_size=1, resolution=16)
     assert np.array_equal(a["image"], b["image"]) and np.array_equal(a["sample_id"], b["sample_id"])
 
 
@@ -230,16 +230,16 @@ def test_autotune_picks_the_smallest_concurrency_near_the_best_rate(manifest, tm
     first_good = next(p["concurrency"] for p in choice.curve if p["images_per_s"] >= 0.9 * best)
     assert choice.concurrency == first_good
     assert choice.cpus == min(1.0, 2 / first_good)
-    assert 64 <= choice.unit_rows <= 4096 and choice.unit_rows & (choice.unit_rows - 1) == 0
+    assert 64 <= choice.block_rows <= 4096 and choice.block_rows & (choice.block_rows - 1) == 0
 
 
 def test_autotune_applies_pinned_values_and_logs_its_choice(manifest, tmp_path, cluster):
     spec = make_spec(manifest, str(tmp_path / "local"))
-    choice = autotune.apply(spec, concurrency=3, cpus=0.5, unit_rows=96, seconds=4.0, train_cpus=1.0)
-    assert (spec.map_concurrency, spec.map_cpus, spec.unit_rows) == (3, 0.5, 96)
+    choice = autotune.apply(spec, concurrency=3, cpus=0.5, block_rows=96, seconds=4.0, train_cpus=1.0)
+    assert (spec.map_concurrency, spec.map_cpus, spec.block_rows) == (3, 0.5, 96)
     assert choice.curve == [] and "pinned" in spec.events[-1]["message"]
     # Small data: no calibration, defaults for what is not pinned, and the log says why.
     spec = make_spec(manifest, str(tmp_path / "local"))
     autotune.apply(spec, concurrency=2, seconds=4.0, train_cpus=1.0)
-    assert spec.map_concurrency == 2 and spec.map_cpus == 0.25 and spec.unit_rows == 512
+    assert spec.map_concurrency == 2 and spec.map_cpus == 0.25 and spec.block_rows == 512
     assert "too few" in spec.events[-1]["message"]

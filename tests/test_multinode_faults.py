@@ -1,4 +1,4 @@
-"""Fault tolerance across nodes (issue 6, items a, c, f): real Ray nodes on this machine (ray.cluster_utils), a
+"""Fault tolerance across nodes: real Ray nodes on this machine (ray.cluster_utils), a
 real driver process (`python app/run.py --smoke-test` joined to that cluster), one Train worker per worker node
 (`--scaling.worker_resources={trainer: 1}`), real gloo DDP. The audit is what the final model carries: per epoch,
 the sample ids of the steps that survived every rollback equal the epoch plan's exactly."""

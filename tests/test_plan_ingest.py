@@ -1,4 +1,4 @@
-"""The deterministic epoch plan through the real ingest: plan units -> PlanDataConfig -> Ray Data map tasks ->
+"""The deterministic epoch plan through the real ingest: plan blocks -> PlanDataConfig -> Ray Data map tasks ->
 each rank's ``iter_batches``, on real JPEG shards and a real local Ray cluster."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import ray
 
-from app.data.ingest import IngestSpec, PhaseSpec, PlanDataConfig, make_units_dataset, phase_units, tier_shards
+from app.data.ingest import IngestSpec, PhaseSpec, PlanDataConfig, make_blocks_dataset, phase_blocks, tier_shards
 from app.data.manifest import Manifest
 from app.data.plan import EpochPlan, rank_slice
 from app.data.prepare import prepare
@@ -29,13 +29,13 @@ def spec(tmp_path_factory) -> IngestSpec:
     train = tier_shards(man, "train", 16)
     yield IngestSpec(seed=7, local_dir=str(root / "local"), train_size=man.num_samples("train"),
                      phases=[PhaseSpec(0, 16, BATCH, 0.35, 0, EPOCHS, train)], val=train, eval_resolution=16,
-                     val_crop_ratio=0.875, unit_rows=2 * BATCH, map_concurrency=2)
+                     val_crop_ratio=0.875, block_rows=2 * BATCH, map_concurrency=2)
     ray.shutdown()
 
 
 def serve(spec: IngestSpec, world: int, epoch: int = 0, step: int = 0) -> list[list[dict]]:
     """Per rank, the batches the worker loop would take (rank's slice of each global step), from (epoch, step)."""
-    ds = make_units_dataset(phase_units(spec, 0, epoch, step))
+    ds = make_blocks_dataset(phase_blocks(spec, 0, epoch, step))
     iters = PlanDataConfig(spec).configure({"train_p0": ds}, world, None, None)
     out = []
     for r in range(world):

@@ -1,4 +1,4 @@
-"""Resume as exact continuation: stop, resume, compare with an uninterrupted run (issue 6 b, d, e)."""
+"""Resume as exact continuation: stop, resume, compare with an uninterrupted run."""
 
 import json
 import shutil

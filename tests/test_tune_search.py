@@ -17,6 +17,7 @@ import ray
 import yaml
 
 from app.config import load_config
+from bench.common import kill_processes, process_tree
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -105,23 +106,6 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (the local Ray cluster the driver started), from /proc."""
-    children: dict[int, list[int]] = {}
-    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
 def _terminated_in_state(exp: pathlib.Path) -> int:
     """Trials Tune has saved as finished in its experiment state (what a restore will keep)."""
     n = 0
@@ -150,14 +134,10 @@ def test_killed_driver_resumes_with_finished_trials_kept(tmp_path):
             assert time.time() < deadline, "no trial finished in time"
             time.sleep(1)
     finally:
-        family = _descendants(drv.pid)
+        family = process_tree(drv.pid)
         drv.send_signal(signal.SIGKILL)  # the driver dies without any cleanup
         drv.wait()
-        for pid in family:  # and so does the local cluster it had started
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_processes(family)  # and so does the local cluster it had started
         log.close()
     assert not (exp / "trials.json").exists()
     finished = [p.parent for p in exp.glob("*/summary.json")]

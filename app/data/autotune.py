@@ -2,14 +2,14 @@
 
 Tencent's 2020 record tuned its preprocessing threads per machine instead of guessing; here the knobs are
 Ray Data's: tasks in flight (``map_concurrency``, all ranks together), CPUs each task reserves
-(``map_cpus``) and global rows per task (``unit_rows``). The calibration runs the real map work (shard
+(``map_cpus``) and global rows per task (``block_rows``). The calibration runs the real map work (shard
 read or object-store get, decode, random-resized-crop, flip) of the most expensive phase as plain Ray
 tasks, at 1, 2, 4, ... tasks in flight up to twice the CPUs left to Data after the Train workers'
 reservation, and measures delivered images/s at each. It picks the *smallest* concurrency within 10% of
 the best rate: more tasks than that add nothing but take cores from the training processes (and memory).
 Rows per task follow from the measured per-image cost (about half a second of work per task: task
 overhead stays small, batches still stream smoothly). Any of the three can be pinned in the config
-(``data.preprocess_concurrency``, ``data.preprocess_cpus``, ``data.unit_rows``); ``data.autotune_seconds=0``
+(``data.preprocess_concurrency``, ``data.preprocess_cpus``, ``data.block_rows``); ``data.autotune_seconds=0``
 turns the calibration off. The curve and the choice go to the run log as a ``preprocess_autotune`` unit
 event.
 """
@@ -25,8 +25,8 @@ import numpy as np
 import ray
 
 from app.data import augment
-from app.data.ingest import MAP_CPUS, UNIT_ROWS, IngestSpec, _images
 from app.data.plan import EpochPlan
+from app.data.spec import BLOCK_ROWS, MAP_CPUS, IngestSpec
 
 log = logging.getLogger(__name__)
 MIN_CALIBRATION_SAMPLES = 2048  # below this a run is over before a calibration pays for itself
@@ -39,7 +39,7 @@ KEEP_FRACTION = 0.9  # the smallest concurrency reaching this share of the best 
 class Choice:
     concurrency: int | None
     cpus: float
-    unit_rows: int
+    block_rows: int
     curve: list[dict] = field(default_factory=list)  # [{"concurrency": c, "images_per_s": r}, ...]
     reason: str = ""
 
@@ -57,7 +57,7 @@ def _calibration_task(spec: IngestSpec, phase: int, start: int, rows: int) -> in
     glob = order[start:start + rows] if start + rows <= len(order) else np.resize(order, rows)
     shard_idx, r = plan.to_shard_row(glob)
     n = 0
-    for img, _label, sid in _images(ph.shards, spec.local_dir, shard_idx, r):
+    for img, _label, sid in ph.shards.images(spec.local_dir, shard_idx, r):
         augment.train_crop(img, ph.resolution, ph.min_scale, augment.sample_rng(spec.seed, 0, sid))
         n += 1
     return n
@@ -102,39 +102,39 @@ def calibrate(spec: IngestSpec, phase: int, avail_cpus: float, seconds: float,
     c = int(chosen["concurrency"])
     # Per-image seconds of one task: c tasks delivered ``rate`` images/s together.
     per_image = c / max(1e-9, chosen["images_per_s"])
-    unit_rows = int(2 ** round(math.log2(max(1.0, TASK_SECONDS / per_image))))
-    unit_rows = min(4096, max(64, unit_rows))
-    return Choice(c, round(min(1.0, avail_cpus / c), 3), unit_rows, curve,
+    block_rows = int(2 ** round(math.log2(max(1.0, TASK_SECONDS / per_image))))
+    block_rows = min(4096, max(64, block_rows))
+    return Choice(c, round(min(1.0, avail_cpus / c), 3), block_rows, curve,
                   f"smallest concurrency within {KEEP_FRACTION:.0%} of the best {best:.0f} images/s")
 
 
-def apply(spec: IngestSpec, *, concurrency: int = 0, cpus: float = 0.0, unit_rows: int = 0, seconds: float = 4.0,
+def apply(spec: IngestSpec, *, concurrency: int = 0, cpus: float = 0.0, block_rows: int = 0, seconds: float = 4.0,
           train_cpus: float = 0.0) -> Choice:
-    """Set ``spec.map_concurrency``, ``spec.map_cpus`` and ``spec.unit_rows``: pinned values (non-zero) as
+    """Set ``spec.map_concurrency``, ``spec.map_cpus`` and ``spec.block_rows``: pinned values (non-zero) as
     given, the rest calibrated (or defaults when the calibration is off or the data too small to time)."""
     avail = data_cpus(train_cpus)
     phase = max(range(len(spec.phases)), key=lambda i: spec.phases[i].resolution)
     ph = spec.phases[phase]
-    if concurrency and cpus and unit_rows:
-        choice = Choice(concurrency, cpus, unit_rows, reason="pinned by the config")
+    if concurrency and cpus and block_rows:
+        choice = Choice(concurrency, cpus, block_rows, reason="pinned by the config")
     elif seconds <= 0 or spec.train_size < MIN_CALIBRATION_SAMPLES:
         why = ("data.autotune_seconds=0" if seconds <= 0 else
                f"{spec.train_size} training samples < {MIN_CALIBRATION_SAMPLES}: too few to be worth timing")
-        choice = Choice(concurrency or None, cpus or MAP_CPUS, unit_rows or UNIT_ROWS,
+        choice = Choice(concurrency or None, cpus or MAP_CPUS, block_rows or BLOCK_ROWS,
                         reason=f"calibration off ({why}); defaults for the values not pinned")
     else:
         t0 = time.perf_counter()
         choice = calibrate(spec, phase, avail, seconds, concurrency or None)
         choice.concurrency = concurrency or choice.concurrency
         choice.cpus = cpus or choice.cpus
-        choice.unit_rows = unit_rows or choice.unit_rows
+        choice.block_rows = block_rows or choice.block_rows
         choice.reason += f"; calibration took {time.perf_counter() - t0:.1f} s"
-    spec.map_concurrency, spec.map_cpus, spec.unit_rows = choice.concurrency, choice.cpus, choice.unit_rows
+    spec.map_concurrency, spec.map_cpus, spec.block_rows = choice.concurrency, choice.cpus, choice.block_rows
     curve = ", ".join(f"{p['concurrency']}: {p['images_per_s']:.0f}" for p in choice.curve)
     spec.event("preprocess_autotune",
                f"preprocessing: {choice.concurrency or 'Ray Data default'} tasks in flight x {choice.cpus:g} CPU, "
-               f"{choice.unit_rows} rows per task ({choice.reason})"
+               f"{choice.block_rows} rows per task ({choice.reason})"
                + (f"; measured on phase {phase} ({ph.resolution}px, {ph.shards.level}) images/s by tasks in "
                   f"flight {{{curve}}} with {avail:g} CPUs for data" if choice.curve else ""),
-               concurrency=choice.concurrency, cpus=choice.cpus, unit_rows=choice.unit_rows, curve=choice.curve)
+               concurrency=choice.concurrency, cpus=choice.cpus, block_rows=choice.block_rows, curve=choice.curve)
     return choice

@@ -1,12 +1,12 @@
-"""Ray Data ingest per phase: plan units -> decode + crop + flip in Ray Data tasks -> uint8 batches.
+"""Ray Data ingest per phase: plan blocks -> decode + crop + flip in Ray Data tasks -> uint8 batches.
 
 How the pieces meet Ray Train:
 - ``train_datasets()`` returns ``datasets=`` for the TorchTrainer: one entry per phase (``train_p0``,
   ``train_p1``, ...) and ``val``. Each value is a *function*; Ray Train calls it at every worker-group
   start, so each start builds the stream from the resume position chosen then (see
   ``app.train.state.select_resume``), not from sample zero.
-- A dataset's rows are small "units" (epoch, first step, number of steps). ``PlanDataConfig.configure``
-  is called with the number of workers and gives rank ``r`` the same units mapped by a function that
+- A dataset's rows are small "blocks" (epoch, first step, number of steps). ``PlanDataConfig.configure``
+  is called with the number of workers and gives rank ``r`` the same blocks mapped by a function that
   produces exactly rank ``r``'s slice of each global batch (``app.data.plan``), in order
   (``preserve_order``). Decoding and augmentation run as Ray Data tasks anywhere in the cluster; the
   worker receives uint8 HWC batches and normalises on its device.
@@ -20,10 +20,8 @@ How the pieces meet Ray Train:
 
 from __future__ import annotations
 
-import logging
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,123 +29,54 @@ import ray
 import ray.data
 import ray.train
 
-from app.data import augment, shard_cache
+from app.data import augment, autotune, shard_cache
 from app.data.plan import EpochPlan, rank_slice
+from app.data.spec import BLOCK_ROWS, IngestSpec, TierShards
 
-log = logging.getLogger(__name__)
-UNIT_ROWS = 512  # default global rows per unit: amortises task overhead, small enough for smooth streaming
-MAP_CPUS = 0.25  # default CPUs a map task reserves: fractional, so Data tasks never starve Train (ray#44687)
-
-
-@dataclass
-class TierShards:
-    tier: int
-    fmt: str  # "jpeg" | "raw"
-    uris: list[str]
-    sha256: list[str]
-    rows: list[int]
-    refs: list | None = None  # object-store level: one DecodedShard ref per shard (None = read from disk)
-
-    @property
-    def level(self) -> str:
-        return "object_store" if self.refs is not None else "local_disk"
-
-    def shard(self, index: int, local_dir: str) -> shard_cache.ShardView:
-        if self.refs is not None:
-            return shard_cache.object_store_shard(self.refs[index])
-        return shard_cache.parquet_shard(self.uris[index], self.sha256[index], self.fmt, local_dir)
+# The spec and its parts stay importable from the ingest, whose public types they are ("X as X": re-exported).
+from app.data.spec import MAP_CPUS as MAP_CPUS
+from app.data.spec import PhaseSpec as PhaseSpec
+from app.data.spec import tier_shards as tier_shards
 
 
-@dataclass
-class PhaseSpec:
-    index: int
-    resolution: int
-    batch_size: int
-    min_scale: float
-    first_epoch: int
-    end_epoch: int  # exclusive
-    shards: TierShards
-
-
-@dataclass
-class IngestSpec:
-    """Everything a Ray Data task needs; picklable and small (object-store data travels as refs)."""
-
-    seed: int
-    local_dir: str
-    train_size: int
-    phases: list[PhaseSpec]
-    val: TierShards
-    eval_resolution: int
-    val_crop_ratio: float
-    map_cpus: float = MAP_CPUS
-    map_concurrency: int | None = None  # tasks in flight, all ranks together; None = Ray Data's default
-    prefetch_batches: int = 2
-    phase_units: dict = field(default_factory=dict)
-    unit_rows: int = UNIT_ROWS
-    val_mode: str = "center"
-    val_order: np.ndarray | None = None  # rect: val rows (global index) sorted by aspect ratio
-    val_batches: list[dict] = field(default_factory=list)  # rect: {start, end, width, height} into val_order
-    events: list[dict] = field(default_factory=list)  # unit events (data_cache, preprocess_autotune) to log
-
-    def event(self, unit: str, message: str, **fields: Any) -> None:
-        log.info("%s: %s", unit, message)
-        self.events.append({"unit": unit, "message": message, **fields})
-
-
-def tier_shards(manifest: Any, split: str, want: int) -> TierShards:
-    """The smallest stored tier of ``split`` at or above ``want`` px (else the largest) as a TierShards."""
-    tier = manifest.tier_for(split, want)
-    shards = manifest.shards(split, tier)
-    return TierShards(tier, manifest.format(split, tier), [s.uri for s in shards], [s.sha256 for s in shards],
-                      [s.rows for s in shards])
-
-
-def _images(shards: TierShards, local_dir: str, shard_idx: np.ndarray, rows: np.ndarray):
-    """(PIL image, label, sample id) for (shard, row) pairs, in the given order."""
-    for s, r in zip(shard_idx.tolist(), rows.tolist()):
-        view = shards.shard(s, local_dir)
-        yield view.image(r), int(view.labels[r]), int(view.ids[r])
-
-
-def train_unit_batch(units: dict, *, spec: IngestSpec, phase: int, rank: int, world_size: int) -> dict:
-    """Map one or more plan units to rank's images for those steps (Ray Data ``map_batches`` fn)."""
+def train_block_batch(blocks: dict, *, spec: IngestSpec, phase: int, rank: int, world_size: int) -> dict:
+    """Map one or more plan blocks to rank's images for those steps (Ray Data ``map_batches`` fn)."""
     ph = spec.phases[phase]
     plan = EpochPlan(ph.shards.rows, spec.seed)
     lo, hi = rank_slice(ph.batch_size, world_size, rank)
     out_img, out_lab, out_id, out_epoch = [], [], [], []
-    for epoch, step0, nsteps in zip(units["epoch"].tolist(), units["step0"].tolist(), units["nsteps"].tolist()):
+    for epoch, step0, nsteps in zip(blocks["epoch"].tolist(), blocks["step0"].tolist(), blocks["nsteps"].tolist()):
         order = plan.order(epoch)
         for step in range(step0, step0 + nsteps):
             glob = order[step * ph.batch_size + lo: step * ph.batch_size + hi]
             shard_idx, rows = plan.to_shard_row(glob)
-            for img, label, sid in _images(ph.shards, spec.local_dir, shard_idx, rows):
+            for img, label, sid in ph.shards.images(spec.local_dir, shard_idx, rows):
                 out_img.append(augment.train_crop(img, ph.resolution, ph.min_scale,
                                                   augment.sample_rng(spec.seed, epoch, sid)))
                 out_lab.append(label)
                 out_id.append(sid)
                 out_epoch.append(epoch)
-    if not out_img:  # the placeholder unit of a phase that is already trained
+    if not out_img:  # the placeholder block of a phase that is already trained
         return {"image": np.zeros((0, ph.resolution, ph.resolution, 3), np.uint8), "label": np.zeros(0, np.int64),
                 "sample_id": np.zeros(0, np.int64), "epoch": np.zeros(0, np.int64)}
     return {"image": np.stack(out_img), "label": np.asarray(out_lab, np.int64),
             "sample_id": np.asarray(out_id, np.int64), "epoch": np.asarray(out_epoch, np.int64)}
 
 
-def val_unit_batch(units: dict, *, spec: IngestSpec, rank: int, world_size: int, resolution: int) -> dict:
-    """Rank's share of one validation unit: every ``world_size``-th position of [start, end), resized to
-    the unit's ``width`` x ``height`` (square centre crop, or the rectangle of a rect batch)."""
+def val_block_batch(blocks: dict, *, spec: IngestSpec, rank: int, world_size: int, resolution: int) -> dict:
+    """Rank's share of one validation block: every ``world_size``-th position of [start, end), resized to
+    the block's ``width`` x ``height`` (square centre crop, or the rectangle of a rect batch)."""
     offsets = np.concatenate([[0], np.cumsum(np.asarray(spec.val.rows, dtype=np.int64))])
     out_img, out_lab, out_id = [], [], []
     width = height = resolution
-    for start, end, width, height in zip(units["start"].tolist(), units["end"].tolist(), units["width"].tolist(),
-                                         units["height"].tolist()):
+    for start, end, width, height in zip(blocks["start"].tolist(), blocks["end"].tolist(), blocks["width"].tolist(),
+                                         blocks["height"].tolist()):
         pos = np.arange(start + rank, end, world_size)
         glob = spec.val_order[pos] if spec.val_order is not None else pos
         if len(glob) == 0:
             continue
         shard_idx = np.searchsorted(offsets, glob, side="right") - 1
-        for img, label, sid in _images(spec.val, spec.local_dir, shard_idx, glob - offsets[shard_idx]):
+        for img, label, sid in spec.val.images(spec.local_dir, shard_idx, glob - offsets[shard_idx]):
             if spec.val_mode == "rect":
                 out_img.append(augment.rect_crop(img, width, height))
             else:
@@ -161,38 +90,38 @@ def val_unit_batch(units: dict, *, spec: IngestSpec, rank: int, world_size: int,
             "sample_id": np.asarray(out_id, np.int64)}
 
 
-def phase_units(spec: IngestSpec, phase: int, start_epoch: int, start_step: int) -> list[dict]:
-    """The units of ``phase`` from the resume position (epoch, step) on, in training order."""
+def phase_blocks(spec: IngestSpec, phase: int, start_epoch: int, start_step: int) -> list[dict]:
+    """The blocks of ``phase`` from the resume position (epoch, step) on, in training order."""
     ph = spec.phases[phase]
     steps_per_epoch = spec.train_size // ph.batch_size
-    per_unit = max(1, spec.unit_rows // ph.batch_size)
-    units = []
+    per_block = max(1, spec.block_rows // ph.batch_size)
+    blocks = []
     for epoch in range(max(ph.first_epoch, start_epoch), ph.end_epoch):
         first = start_step if epoch == start_epoch else 0
-        for s in range(first, steps_per_epoch, per_unit):
-            units.append({"epoch": epoch, "step0": s, "nsteps": min(per_unit, steps_per_epoch - s)})
-    return units
+        for s in range(first, steps_per_epoch, per_block):
+            blocks.append({"epoch": epoch, "step0": s, "nsteps": min(per_block, steps_per_epoch - s)})
+    return blocks
 
 
-def make_units_dataset(units: list[dict], placeholder: dict | None = None) -> ray.data.Dataset:
-    if not units:  # an empty phase (already trained): one unit that maps to nothing
-        units = [placeholder or {"epoch": -1, "step0": 0, "nsteps": 0}]
-    return ray.data.from_items(units, override_num_blocks=len(units))
+def make_blocks_dataset(blocks: list[dict], placeholder: dict | None = None) -> ray.data.Dataset:
+    if not blocks:  # an empty phase (already trained): one block that maps to nothing
+        blocks = [placeholder or {"epoch": -1, "step0": 0, "nsteps": 0}]
+    return ray.data.from_items(blocks, override_num_blocks=len(blocks))
 
 
-def val_units(spec: IngestSpec) -> list[dict]:
-    """Validation units: the rect batches, or runs of ``unit_rows`` consecutive samples."""
+def val_blocks(spec: IngestSpec) -> list[dict]:
+    """Validation blocks: the rect batches, or runs of ``block_rows`` consecutive samples."""
     if spec.val_mode == "rect" and spec.val_batches:
         return [dict(b) for b in spec.val_batches]
     n = sum(spec.val.rows)
     r = spec.eval_resolution
-    return [{"start": s, "end": min(n, s + spec.unit_rows), "width": r, "height": r}
-            for s in range(0, n, spec.unit_rows)]
+    return [{"start": s, "end": min(n, s + spec.block_rows), "width": r, "height": r}
+            for s in range(0, n, spec.block_rows)]
 
 
 def val_dataset(spec: IngestSpec) -> ray.data.Dataset:
     r = spec.eval_resolution
-    return make_units_dataset(val_units(spec), {"start": 0, "end": 0, "width": r, "height": r})
+    return make_blocks_dataset(val_blocks(spec), {"start": 0, "end": 0, "width": r, "height": r})
 
 
 def plan_rect_validation(spec: IngestSpec, batch_size: int) -> None:
@@ -285,12 +214,12 @@ class PlanDataConfig(ray.train.DataConfig):
         return out
 
     def map_for(self, name: str, rank: int, world_size: int) -> tuple[Any, dict] | None:
-        """The map function (and its kwargs) that turns dataset ``name``'s units into rank's rows."""
+        """The map function (and its kwargs) that turns dataset ``name``'s blocks into rank's rows."""
         if name.startswith("train_p"):
-            return train_unit_batch, {"spec": self.spec, "phase": int(name.removeprefix("train_p")), "rank": rank,
+            return train_block_batch, {"spec": self.spec, "phase": int(name.removeprefix("train_p")), "rank": rank,
                                       "world_size": world_size}
         if name == "val":
-            return val_unit_batch, {"spec": self.spec, "rank": rank, "world_size": world_size,
+            return val_block_batch, {"spec": self.spec, "rank": rank, "world_size": world_size,
                                     "resolution": self.spec.eval_resolution}
         return None
 
@@ -299,11 +228,9 @@ def finalize_spec(spec: IngestSpec, data: Any, train_cpus: float) -> None:
     """The start-up steps that need the cluster, in order: rect validation plan, object-store level,
     preprocessing calibration (last, so it times the level that will really serve). ``data`` is the
     config's DataConfig; ``train_cpus`` what the Train workers reserve."""
-    from app.data import autotune
-
-    spec.unit_rows = data.unit_rows or UNIT_ROWS
+    spec.block_rows = data.block_rows or BLOCK_ROWS
     if data.val_mode == "rect":
         plan_rect_validation(spec, data.val_batch_size)
     materialize_tiers(spec, data.memory_budget_mb, data.prepare_cpus_per_task)
     autotune.apply(spec, concurrency=data.preprocess_concurrency, cpus=data.preprocess_cpus,
-                   unit_rows=data.unit_rows, seconds=data.autotune_seconds, train_cpus=train_cpus)
+                   block_rows=data.block_rows, seconds=data.autotune_seconds, train_cpus=train_cpus)

@@ -384,8 +384,8 @@ class CommHook:
         if self._psgd is not None:
             # The same slots torch's PowerSGDState.__getstate__ saves (all but the process group),
             # built here to skip its warning on every checkpoint.
-            st = {k: getattr(self._psgd, k) for k in type(self._psgd).__slots__ if k != "process_group"}
-            sd["powersgd"] = {k: _to_cpu(v) for k, v in st.items()}
+            psgd_state = {k: getattr(self._psgd, k) for k in type(self._psgd).__slots__ if k != "process_group"}
+            sd["powersgd"] = {k: _to_cpu(v) for k, v in psgd_state.items()}
         return sd
 
     def load_state_dict(self, sd: dict, world_size: int) -> None:
@@ -425,12 +425,12 @@ class CommHook:
         self._force_dense = int(sd.get("force_dense", 0))
         self._pending = {k: v.detach().clone() for k, v in sd["residuals"].items()}
         if self._psgd is not None and sd.get("powersgd"):
-            st = dict(sd["powersgd"])
-            st["process_group"] = None
+            psgd_state = dict(sd["powersgd"])
+            psgd_state["process_group"] = None
             dev = self.device
             for key in ("error_dict", "p_memory_dict", "q_memory_dict"):
-                st[key] = {i: t.to(dev) for i, t in st.get(key, {}).items()}
-            for k, v in st.items():
+                psgd_state[key] = {i: t.to(dev) for i, t in psgd_state.get(key, {}).items()}
+            for k, v in psgd_state.items():
                 if k in type(self._psgd).__slots__:
                     setattr(self._psgd, k, v)
             # A fresh DDP runs its first iteration on its initial (not yet rebuilt) buckets, whose
@@ -495,29 +495,29 @@ _ddp_hook.__annotations__ = {"hook": CommHook, "bucket": dist.GradBucket,
                              "return": torch.futures.Future[torch.Tensor]}
 
 
-def _drop_stale_powersgd_memory(st: Any, bucket: dist.GradBucket) -> None:
+def _drop_stale_powersgd_memory(psgd_state: Any, bucket: dist.GradBucket) -> None:
     """Forget restored per-bucket PowerSGD memories that do not fit this bucket (bucket sizes changed)."""
     i = bucket.index()
-    err = st.error_dict.get(i)
+    err = psgd_state.error_dict.get(i)
     if err is not None and err.numel() != bucket.buffer().numel():
-        for d in (st.error_dict, st.p_memory_dict, st.q_memory_dict):
+        for d in (psgd_state.error_dict, psgd_state.p_memory_dict, psgd_state.q_memory_dict):
             d.pop(i, None)
 
 
 def _powersgd(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
-    st, world = hook._psgd, hook.world_size
+    psgd_state, world = hook._psgd, hook.world_size
     buf = bucket.buffer()
     if hook._force_dense > 0:
         hook._step_was_dense = True
         if bucket.is_last():
-            st.iter += 1  # keep PowerSGD's own step count in line with ours
+            psgd_state.iter += 1  # keep PowerSGD's own step count in line with ours
         return hook._reduce(buf, [], bucket.index(), sync=False)
-    _drop_stale_powersgd_memory(st, bucket)
+    _drop_stale_powersgd_memory(psgd_state, bucket)
     hook.dense_bytes += ring_allreduce_bytes(buf.numel() * 4, world)
     esize = buf.element_size()
-    if st.iter < st.start_powerSGD_iter:
+    if psgd_state.iter < psgd_state.start_powerSGD_iter:
         sent = ring_allreduce_bytes(buf.numel() * esize, world)
     else:
         # Mirrors the hook's split: matrices worth compressing send P (rows x r) and Q (cols x r);
@@ -526,8 +526,8 @@ def _powersgd(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future:
         for g in bucket.gradients():
             if g.dim() > 1:
                 rows, cols = g.shape[0], g.numel() // g.shape[0]
-                r = min(rows, cols, st.matrix_approximation_rank)
-                if (rows + cols) * r * st.min_compression_rate < rows * cols:
+                r = min(rows, cols, psgd_state.matrix_approximation_rank)
+                if (rows + cols) * r * psgd_state.min_compression_rate < rows * cols:
                     p_elems += rows * r
                     q_elems += cols * r
                     continue
@@ -536,7 +536,7 @@ def _powersgd(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future:
     hook.bytes_sent += sent
     if hook.topology.num_nodes > 1:
         hook.bytes_inter_node += sent
-    fut = psgd.powerSGD_hook(st, bucket)
+    fut = psgd.powerSGD_hook(psgd_state, bucket)
     if dist.get_backend() == "gloo":
         # The hook issues its second and third all-reduce from future callbacks; with several buckets in
         # flight gloo ranks can then issue them in different orders (seen: "collective mismatch" aborts

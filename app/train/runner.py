@@ -23,8 +23,8 @@ from app.data.ingest import (
     IngestSpec,
     PhaseSpec,
     finalize_spec,
-    make_units_dataset,
-    phase_units,
+    make_blocks_dataset,
+    phase_blocks,
     tier_shards,
     val_dataset,
 )
@@ -114,7 +114,7 @@ def _train_dataset(run_dir: str, spec: IngestSpec, sched: Schedule, phase: int):
     """Called by Ray Train at every worker-group start: the phase's stream from the resume point."""
     point = choose_and_record_resume(run_dir)
     pos = sched.locate(point.samples_seen)
-    return make_units_dataset(phase_units(spec, phase, pos.epoch, pos.step_in_epoch)
+    return make_blocks_dataset(phase_blocks(spec, phase, pos.epoch, pos.step_in_epoch)
                               if point.samples_seen < sched.total_samples else [])
 
 

@@ -25,6 +25,7 @@ import time
 import urllib.request
 from typing import Any
 
+import psutil
 import yaml
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -39,27 +40,19 @@ def free_port() -> int:
 
 
 def process_table() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, command line) for every live process we can read in /proc (zombies left out)."""
+    """pid -> (parent pid, command line) for every live process we can read (zombies left out): one snapshot,
+    so that the processes picked by command line and their descendants are looked up in the same table."""
     table: dict[int, tuple[int, str]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
-            continue
-        # State and parent pid follow the parenthesised command name, which may contain spaces.
-        state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
-        if state in ("Z", "X"):  # dead, waiting to be reaped: nothing left to kill
-            continue
-        table[int(entry)] = (int(ppid), cmd)
+    for proc in psutil.process_iter(["ppid", "cmdline", "status"]):
+        info = proc.info
+        if info["status"] in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD) or info["cmdline"] is None:
+            continue  # dead, waiting to be reaped (nothing left to kill), or not ours to read
+        table[proc.pid] = (info["ppid"], " ".join(info["cmdline"]).strip())
     return table
 
 
 def with_descendants(roots: set[int], table: dict[int, tuple[int, str]]) -> set[int]:
+    """``roots`` and every process below them in ``table``."""
     out = set(roots)
     grew = True
     while grew:
@@ -165,10 +158,10 @@ class FakeCluster:
             if not (cmd.split(" ")[0].endswith("/raylet") and self.temp_dir in cmd):
                 continue
             try:
-                environ = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
+                environ = psutil.Process(pid).environ()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
-            if f"RAY_OVERRIDE_NODE_ID_FOR_TESTING={node_id}".encode() in environ:
+            if environ.get("RAY_OVERRIDE_NODE_ID_FOR_TESTING") == node_id:
                 raylets.add(pid)
         if len(raylets) != 1:
             raise RuntimeError(f"expected one raylet of node {node_id} under {self.temp_dir}, found {raylets}")
@@ -182,7 +175,7 @@ class FakeCluster:
         return with_descendants(roots, table)
 
     def stop(self) -> None:
-        # Twice: a process that forked while we walked /proc is caught the second time.
+        # Twice: a process that forked while the table was taken is caught the second time.
         for _ in range(2):
             kill_pids(self.own_pids())
             time.sleep(0.5)

@@ -1,0 +1,89 @@
+"""What a Ray Data preprocessing task needs to know (``IngestSpec``) and its parts: the stored tier each
+phase reads, and the defaults of the preprocessing knobs. Shared by the ingest and by the preprocessing
+calibration (``app.data.autotune``), which both read images through ``TierShards.images``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from app.data import shard_cache
+
+log = logging.getLogger("app.data.ingest")  # the events are the ingest's: logged under its name
+BLOCK_ROWS = 512  # default global rows per plan block: amortises task overhead, small enough for smooth streaming
+MAP_CPUS = 0.25  # default CPUs a map task reserves: fractional, so Data tasks never starve Train (ray#44687)
+
+
+@dataclass
+class TierShards:
+    tier: int
+    fmt: str  # "jpeg" | "raw"
+    uris: list[str]
+    sha256: list[str]
+    rows: list[int]
+    refs: list | None = None  # object-store level: one DecodedShard ref per shard (None = read from disk)
+
+    @property
+    def level(self) -> str:
+        return "object_store" if self.refs is not None else "local_disk"
+
+    def shard(self, index: int, local_dir: str) -> shard_cache.ShardView:
+        if self.refs is not None:
+            return shard_cache.object_store_shard(self.refs[index])
+        return shard_cache.parquet_shard(self.uris[index], self.sha256[index], self.fmt, local_dir)
+
+    def images(self, local_dir: str, shard_idx: np.ndarray, rows: np.ndarray) -> Iterator[tuple[Image.Image, int, int]]:
+        """(PIL image, label, sample id) for (shard, row) pairs, in the given order."""
+        for s, r in zip(shard_idx.tolist(), rows.tolist()):
+            view = self.shard(s, local_dir)
+            yield view.image(r), int(view.labels[r]), int(view.ids[r])
+
+
+@dataclass
+class PhaseSpec:
+    index: int
+    resolution: int
+    batch_size: int
+    min_scale: float
+    first_epoch: int
+    end_epoch: int  # exclusive
+    shards: TierShards
+
+
+@dataclass
+class IngestSpec:
+    """Everything a Ray Data task needs; picklable and small (object-store data travels as refs)."""
+
+    seed: int
+    local_dir: str
+    train_size: int
+    phases: list[PhaseSpec]
+    val: TierShards
+    eval_resolution: int
+    val_crop_ratio: float
+    map_cpus: float = MAP_CPUS
+    map_concurrency: int | None = None  # tasks in flight, all ranks together; None = Ray Data's default
+    prefetch_batches: int = 2
+    block_rows: int = BLOCK_ROWS
+    val_mode: str = "center"
+    val_order: np.ndarray | None = None  # rect: val rows (global index) sorted by aspect ratio
+    val_batches: list[dict] = field(default_factory=list)  # rect: {start, end, width, height} into val_order
+    events: list[dict] = field(default_factory=list)  # unit events (data_cache, preprocess_autotune) to log
+
+    def event(self, unit: str, message: str, **fields: Any) -> None:
+        log.info("%s: %s", unit, message)
+        self.events.append({"unit": unit, "message": message, **fields})
+
+
+def tier_shards(manifest: Any, split: str, want: int) -> TierShards:
+    """The smallest stored tier of ``split`` at or above ``want`` px (else the largest) as a TierShards."""
+    tier = manifest.tier_for(split, want)
+    shards = manifest.shards(split, tier)
+    return TierShards(tier, manifest.format(split, tier), [s.uri for s in shards], [s.sha256 for s in shards],
+                      [s.rows for s in shards])
