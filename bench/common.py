@@ -11,12 +11,14 @@ import json
 import os
 import pathlib
 import platform
-import subprocess
 import sys
 import time
 from typing import Any, TextIO
 
 import psutil
+
+from app.provenance import git_revision
+from app.storage import read_jsonl  # noqa: F401  (re-exported: benches and tests read run logs)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -38,18 +40,6 @@ def memory_gib() -> float:
     except OSError:
         pass
     return -1.0
-
-
-def git_revision() -> str:
-    """HEAD's hash, with ``+dirty`` when the working tree differs from it (read-only git commands)."""
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True,
-                             text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return (rev or "unknown") + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 class Machine:
@@ -74,7 +64,7 @@ class Machine:
         return {"cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
                 "cpu_count": os.cpu_count(), "memory_gib": memory_gib(), "load_avg_1m_at_start": self.load_start,
                 "load_avg_1m_at_end": load_avg(), "torch": torch.__version__, "ray": ray_version,
-                "python": platform.python_version(), "platform": platform.platform(), "git": git_revision(),
+                "python": platform.python_version(), "platform": platform.platform(), "git": git_revision(short=12),
                 "command": " ".join(["python", "-m", module_name(sys.argv[0]), *args]),
                 "bench_wall_s": round(time.time() - self.t0, 1), **extra}
 
@@ -109,18 +99,6 @@ def ratio(num: float | None, den: float | None) -> float | None:
     if num is None or den is None or den == 0:
         return None
     return round(num / den, 4)
-
-
-def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The records of a run's ``metrics.jsonl`` (a line cut short by a crash is skipped)."""
-    out = []
-    with open(path) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
 
 
 def process_tree(pid: int) -> list[psutil.Process]:

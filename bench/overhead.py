@@ -188,9 +188,9 @@ def _in_memory_data_config(spec, data_ref, val_ref, batch: int):
 
 def _train_blocks(run_dir: str, spec):
     from app.data.ingest import make_blocks_dataset, phase_blocks
-    from app.train import state as st
+    from app.train.state import choose_and_record_resume
 
-    st.choose_and_record_resume(run_dir)  # what runner._train_dataset does at each worker-group start
+    choose_and_record_resume(run_dir)  # what runner._train_dataset does at each worker-group start
     return make_blocks_dataset(phase_blocks(spec, 0, 0, 0))
 
 
@@ -205,9 +205,9 @@ def run_lightray(images: np.ndarray, labels: np.ndarray, cfg, steps: int, warmup
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from app import storage
     from app.data.ingest import IngestSpec, PhaseSpec, TierShards
     from app.report.runlog import start_runlog
-    from app.train import state as st
     from app.train.runner import _limit_data_resources, connect_ray
     from app.train.worker import train_loop_per_worker
 
@@ -221,7 +221,7 @@ def run_lightray(images: np.ndarray, labels: np.ndarray, cfg, steps: int, warmup
                       prefetch_batches=cfg.data.prefetch_batches)
     data_ref = ray.put((images, labels))
     val_ref = ray.put((images[:val_n], labels[:val_n]))
-    run_dir = st.join(cfg.storage, cfg.name)
+    run_dir = storage.join(cfg.storage, cfg.name)
     os.makedirs(run_dir, exist_ok=True)
     workers = cfg.worker_range()[1]
     _limit_data_resources(workers * cfg.scaling.cpus_per_worker)

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from app.config import load_config
 from app.data.ingest import IngestSpec, TierShards
-from app.train.state import ResumePoint, checkpoint_name, load_rank_state, save_rank_state, write_bytes
+from app.storage import write_bytes
+from app.train.state import ResumePoint, checkpoint_name, load_rank_state, save_rank_state
 from app.train.topology import Topology
 from app.train.trainer import PhaseRun, Trainer
 

@@ -30,7 +30,8 @@ from app.data.ingest import (
 )
 from app.data.shard_cache import default_local_dir
 from app.schedule import Schedule
-from app.train.state import choose_and_record_resume, join, list_checkpoints, write_bytes
+from app.storage import join, write_bytes
+from app.train.state import choose_and_record_resume, list_checkpoints
 
 log = logging.getLogger("lightray")
 
