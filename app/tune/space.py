@@ -41,7 +41,7 @@ from typing import Any
 
 import yaml
 
-from app.config import Config, ConfigError, _coerce, config_from_dict, key_type, set_dotted
+from app.config import Config, ConfigError, coerce_scalar, config_from_dict, key_type, set_dotted
 
 GLOBAL_BATCH = "global_batch"
 DISTS = ("loguniform", "uniform", "int", "choice")
@@ -223,7 +223,7 @@ def parse_param(where: str, key: str, spec: Any) -> Param:
             if isinstance(v, (list, dict)) or v is None:
                 raise ConfigError(f"{where}.values[{i}]: bad value {v!r}; expected a {tname}")
             try:
-                out.append(_coerce(f"{where}.values[{i}]", v, tp))
+                out.append(coerce_scalar(f"{where}.values[{i}]", v, tp))
             except ConfigError as exc:
                 raise ConfigError(f"{exc} (the type of {key})") from None
         if len(set(out)) != len(out):
@@ -367,7 +367,7 @@ def base_for_trials(base: Config, space: SearchSpace) -> Config:
     tree = copy.deepcopy(base.to_dict())
     for k, v in space.fixed.items():
         if k == GLOBAL_BATCH:
-            scale_batches(tree, int(_coerce(k, v, int)))
+            scale_batches(tree, int(coerce_scalar(k, v, int)))
         else:
             set_dotted(tree, k, v)
     apply_budget(tree, space.budget_epochs)
