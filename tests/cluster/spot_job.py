@@ -2,9 +2,10 @@
 
 Submitted with ``ray job submit --working-dir . -- python tests/cluster/spot_job.py --storage DIR``.
 It checkpoints every step and resumes from ``ray.train.get_checkpoint()`` after a worker group restart
-(as lightray does), and keeps its device-seconds and machine-seconds per price key in the checkpoint. It
-appends one JSON line per worker start to ``<storage>/<name>/events.jsonl`` and writes
-``<storage>/<name>/result.json`` at the end, which is what the test reads. Stands in for ``app/run.py --smoke-test`` until that runs on this cluster.
+(as lightray does), and keeps its device-seconds and machine-seconds per price key in the checkpoint.
+It appends one JSON line per worker start to ``<storage>/<name>/events.jsonl`` and writes
+``<storage>/<name>/result.json`` at the end, which is what the test reads. Stands in for
+``app/run.py --smoke-test`` until that runs on this cluster.
 """
 
 from __future__ import annotations
