@@ -228,7 +228,8 @@ def test_notice_drains_own_node_for_preemption_and_train_loop_sees_it(cluster, i
     Runs last in this module: it leaves the worker node draining."""
     import ray
     import ray.train
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import RunConfig
+    from ray.train import ScalingConfig as TrainScalingConfig
     from ray.train.torch import TorchTrainer
 
     _, head, worker = cluster
@@ -260,8 +261,8 @@ def test_notice_drains_own_node_for_preemption_and_train_loop_sees_it(cluster, i
     try:
         trainer = TorchTrainer(
             train_fn, train_loop_config={"marker": str(marker), "seen": str(tmp_path / "seen.json")},
-            scaling_config=ScalingConfig(num_workers=1, use_gpu=False,
-                                         resources_per_worker={"CPU": 1, "spot_node": 1}),
+            scaling_config=TrainScalingConfig(num_workers=1, use_gpu=False,
+                                              resources_per_worker={"CPU": 1, "spot_node": 1}),
             run_config=RunConfig(name="spot-drain", storage_path=str(tmp_path / "storage")),
         )
         trainer.fit()
