@@ -7,7 +7,7 @@ command line overrides single keys as ``--section.key=value``. Every problem wit
 status 2 with that one line.
 
 The sections are plain dataclasses (constructing one in code checks nothing, as before); pydantic v2
-builds and checks them from YAML and command-line values (``_ADAPTER``): types through the scalar
+builds and checks them from YAML and command-line values (``_adapter()``): types through the scalar
 types below, allowed values and ranges through ``OneOf``/``Range`` in the field annotations, and the
 rules that span several keys in ``check_config``. docs/CONFIG.md says why the scalar conversions are
 our own rather than pydantic's lax mode.
@@ -108,7 +108,7 @@ Str = Annotated[str, BeforeValidator(_to_str)]
 _SCALARS: dict[type, typing.Callable[[Any], Any]] = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
 
 
-def OneOf(*allowed: str) -> AfterValidator:  # noqa: N802 - reads as a type in annotations
+def OneOf(*allowed: str) -> AfterValidator:  # capitalised: reads as a type in annotations
     """Field constraint: the value must be one of ``allowed``."""
 
     def check(value: Any) -> Any:
@@ -119,7 +119,7 @@ def OneOf(*allowed: str) -> AfterValidator:  # noqa: N802 - reads as a type in a
     return AfterValidator(check)
 
 
-def Range(low: float, high: float) -> AfterValidator:  # noqa: N802 - reads as a type in annotations
+def Range(low: float, high: float) -> AfterValidator:  # capitalised: reads as a type in annotations
     """Field constraint: the number must lie in [low, high]."""
 
     def check(value: Any) -> Any:
