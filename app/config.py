@@ -5,17 +5,27 @@ Each component owns its section (``data``, ``model``, ``optim``, ``schedule``, `
 command line overrides single keys as ``--section.key=value``. Every problem with a value raises
 ``ConfigError`` naming the key, the bad value and what is allowed; the CLI turns it into exit
 status 2 with that one line.
+
+The sections are plain dataclasses (constructing one in code checks nothing, as before); pydantic v2
+builds and checks them from YAML and command-line values (``_adapter()``): types through the scalar
+types below, allowed values and ranges through ``OneOf``/``Range`` in the field annotations, and the
+rules that span several keys in ``check_config``. docs/CONFIG.md says why the scalar conversions are
+our own rather than pydantic's lax mode.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import pathlib
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, TypeAdapter, ValidationError, with_config
+from pydantic_core import PydanticCustomError
 
 RECIPES_DIR = pathlib.Path(__file__).parent / "recipes"
 
@@ -24,247 +34,342 @@ class ConfigError(ValueError):
     """A bad configuration value; ``str(err)`` is the one line shown to the user."""
 
 
+# --- value types: what a YAML or command-line value may be for each declared type ---------------------------
+def _bad(value: Any, expected: str) -> PydanticCustomError:
+    """A validation error whose message is the part of the user's line after ``key: ``."""
+    return PydanticCustomError("config", "{line}", {"line": f"bad value {value!r}; {expected}"})
+
+
+_BOOL_WORDS = ("true", "false", "1", "0", "yes", "no")
+
+
+def _to_bool(value: Any) -> bool:
+    # Strict on purpose: pydantic's lax bool also takes 1/0, "on"/"off", "t"/"f" and "y"/"n".
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in _BOOL_WORDS:
+        return value.lower() in ("true", "1", "yes")
+    raise _bad(value, "expected true or false")
+
+
+def _to_int(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    raise _bad(value, "expected an integer")
+
+
+def _to_float(value: Any) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise _bad(value, "expected a number")
+
+
+def _to_str(value: Any) -> str:
+    # YAML reads ``workers: 2`` as an int; a string key takes numbers as their text.
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise _bad(value, "expected a string")
+
+
+def _yaml_list(value: Any) -> list[Any]:
+    """A list, or its YAML text from the command line (``"[32, 64]"``; ``""`` = empty)."""
+    if isinstance(value, str):
+        value = yaml.safe_load(value) if value.strip() else []
+    if not isinstance(value, list):
+        raise _bad(value, "expected a list")
+    return value
+
+
+def _yaml_mapping(value: Any) -> dict[str, Any]:
+    """A mapping, or its YAML text from the command line (``"{GPU_node: 1}"``)."""
+    if isinstance(value, str):
+        value = yaml.safe_load(value)
+    if not isinstance(value, dict):
+        raise _bad(value, "expected a mapping")
+    return {str(k): v for k, v in value.items()}
+
+
+Bool = Annotated[bool, BeforeValidator(_to_bool)]
+Int = Annotated[int, BeforeValidator(_to_int)]
+Float = Annotated[float, BeforeValidator(_to_float)]
+Str = Annotated[str, BeforeValidator(_to_str)]
+_SCALARS: dict[type, typing.Callable[[Any], Any]] = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
+
+
+def OneOf(*allowed: str) -> AfterValidator:  # capitalised: reads as a type in annotations
+    """Field constraint: the value must be one of ``allowed``."""
+
+    def check(value: Any) -> Any:
+        if value not in allowed:
+            raise _bad(value, f"allowed: {', '.join(allowed)}")
+        return value
+
+    return AfterValidator(check)
+
+
+def Range(low: float, high: float) -> AfterValidator:  # capitalised: reads as a type in annotations
+    """Field constraint: the number must lie in [low, high]."""
+
+    def check(value: Any) -> Any:
+        if not low <= value <= high:
+            raise _bad(value, f"expected a number in [{low:g}, {high:g}]")
+        return value
+
+    return AfterValidator(check)
+
+
+def coerce_scalar(where: str, value: Any, tp: type) -> Any:
+    """``value`` converted as a config key of type ``tp`` (bool, int, float or str) would be.
+
+    Raises ConfigError ``"<where>: bad value ...; expected ..."``."""
+    convert = _SCALARS.get(tp)
+    if convert is None:
+        raise ConfigError(f"{where}: unsupported type {getattr(tp, '__name__', tp)}")
+    try:
+        return convert(value)
+    except PydanticCustomError as exc:
+        raise ConfigError(f"{where}: {exc.message()}") from None
+
+
+# Every section rejects keys it does not declare.
+_section = with_config(ConfigDict(extra="forbid"))
+
+
+@_section
 @dataclass
 class Phase:
     """One stage of progressive resizing: applies to epochs before ``until_epoch``."""
 
-    until_epoch: int
-    resolution: int
-    batch_size: int
-    min_scale: float = 0.35
+    until_epoch: Int
+    resolution: Int
+    batch_size: Int
+    min_scale: Float = 0.35
 
 
+@_section
 @dataclass
 class DataConfig:
-    source: str = "demo"  # "demo", a local ImageFolder path, or a pyarrow URI (s3://...)
-    cache_dir: str = ""  # shared shard cache; "" = <storage>/cache
-    local_cache_dir: str = ""  # node-local copy of shards (NVMe); "" = /tmp/lightray-cache
-    memory_budget_mb: int = 1024  # tiers whose decoded size fits go to the object store
-    jpeg_quality: int = 90
-    raw_max_resolution: int = 64  # tiers at or below this store raw uint8 pixels, not JPEG
-    shard_rows: int = 512
-    tiers: list[int] = field(default_factory=list)  # [] = derived from the schedule
-    val_mode: str = "center"  # center | rect
-    val_crop_ratio: float = 0.875
-    preprocess_concurrency: int = 0  # preprocessing tasks in flight, all ranks together; 0 = autotune
-    preprocess_cpus: float = 0.0  # logical CPUs each preprocessing task reserves; 0 = autotune (else 0.25)
-    unit_rows: int = 0  # global rows per preprocessing task (before the split across ranks); 0 = autotune
-    autotune_seconds: float = 4.0  # length of the start-up calibration; 0 = off (defaults or pinned values)
-    val_batch_size: int = 256  # images per rectangular validation batch (val_mode=rect), all ranks together
-    prefetch_batches: int = 2
-    demo_seed: int = 0
-    demo_classes: int = 10
-    demo_train_per_class: int = 320
-    demo_val_per_class: int = 60
-    limit_train: int = 0  # 0 = all; smoke runs use a small subset
-    limit_val: int = 0
-    verify_cache: bool = False  # prepare re-hashes every cached shard (sha256) and rebuilds any that fail
-    prepare_cpus_per_task: float = 0.5  # fractional: prepare must never starve Train workers of whole CPUs
-    prepare_concurrency: int = 0  # max prepare tasks at once; 0 = one per logical CPU of the cluster
-    prepare_io_threads: int = 8  # source reads in flight per prepare task (object stores are latency-bound)
+    source: Str = "demo"  # "demo", a local ImageFolder path, or a pyarrow URI (s3://...)
+    cache_dir: Str = ""  # shared shard cache; "" = <storage>/cache
+    local_cache_dir: Str = ""  # node-local copy of shards (NVMe); "" = /tmp/lightray-cache
+    memory_budget_mb: Annotated[Int, Range(0, 10**7)] = 1024  # tiers whose decoded size fits go to the object store
+    jpeg_quality: Annotated[Int, Range(1, 100)] = 90
+    raw_max_resolution: Int = 64  # tiers at or below this store raw uint8 pixels, not JPEG
+    shard_rows: Annotated[Int, Range(1, 10**7)] = 512
+    tiers: Annotated[list[Int], BeforeValidator(_yaml_list)] = field(default_factory=list)  # [] = from the schedule
+    val_mode: Annotated[Str, OneOf("center", "rect")] = "center"
+    val_crop_ratio: Annotated[Float, Range(0.1, 1.0)] = 0.875
+    # preprocessing tasks in flight, all ranks together; 0 = autotune
+    preprocess_concurrency: Annotated[Int, Range(0, 4096)] = 0
+    # logical CPUs each preprocessing task reserves; 0 = autotune (else 0.25)
+    preprocess_cpus: Annotated[Float, Range(0.0, 64)] = 0.0
+    # global rows per preprocessing task (before the split across ranks); 0 = autotune
+    block_rows: Annotated[Int, Range(0, 10**6)] = 0
+    # length of the start-up calibration; 0 = off (defaults or pinned values)
+    autotune_seconds: Annotated[Float, Range(0.0, 600)] = 4.0
+    # images per rectangular validation batch (val_mode=rect), all ranks together
+    val_batch_size: Annotated[Int, Range(1, 10**6)] = 256
+    prefetch_batches: Annotated[Int, Range(0, 64)] = 2
+    demo_seed: Int = 0
+    demo_classes: Annotated[Int, Range(2, 1000)] = 10
+    demo_train_per_class: Annotated[Int, Range(1, 10**6)] = 320
+    demo_val_per_class: Annotated[Int, Range(1, 10**6)] = 60
+    limit_train: Annotated[Int, Range(0, 10**9)] = 0  # 0 = all; smoke runs use a small subset
+    limit_val: Annotated[Int, Range(0, 10**9)] = 0
+    verify_cache: Bool = False  # prepare re-hashes every cached shard (sha256) and rebuilds any that fail
+    # fractional: prepare must never starve Train workers of whole CPUs
+    prepare_cpus_per_task: Annotated[Float, Range(0.01, 64)] = 0.5
+    # max prepare tasks at once; 0 = one per logical CPU of the cluster
+    prepare_concurrency: Annotated[Int, Range(0, 100000)] = 0
+    # source reads in flight per prepare task (object stores are latency-bound)
+    prepare_io_threads: Annotated[Int, Range(1, 256)] = 8
 
 
+@_section
 @dataclass
 class ModelConfig:
-    arch: str = "resnet_tiny"  # resnet_tiny | resnet18 | resnet34 | resnet50
-    zero_init_residual: bool = True
-    channels_last: bool = True
-    compile: bool = False  # torch.compile, GPU only
-    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp16
-    compile_mode: str = "default"  # torch.compile mode: default | reduce-overhead | max-autotune
-    cudnn_benchmark: bool = True  # let cuDNN time conv algorithms per shape (GPU only)
-    tf32: bool = True  # TF32 matmul/conv for the parts that stay fp32 (Ampere+ GPUs only)
+    arch: Annotated[Str, OneOf("resnet_tiny", "resnet18", "resnet34", "resnet50")] = "resnet_tiny"
+    zero_init_residual: Bool = True
+    channels_last: Bool = True
+    compile: Bool = False  # torch.compile, GPU only
+    # auto = bf16 on GPU, fp32 on CPU
+    precision: Annotated[Str, OneOf("auto", "fp32", "bf16", "fp16")] = "auto"
+    # torch.compile mode
+    compile_mode: Annotated[Str, OneOf("default", "reduce-overhead", "max-autotune",
+                                       "max-autotune-no-cudagraphs")] = "default"
+    cudnn_benchmark: Bool = True  # let cuDNN time conv algorithms per shape (GPU only)
+    tf32: Bool = True  # TF32 matmul/conv for the parts that stay fp32 (Ampere+ GPUs only)
 
 
+@_section
 @dataclass
 class OptimConfig:
-    name: str = "sgd"  # sgd | lars | lamb
-    lr_per_256: float = 0.4
-    momentum: float = 0.9
-    nesterov: bool = True
-    weight_decay: float = 5e-5
-    bn_bias_decay: bool = False  # fast.ai / Goyal et al.: no weight decay on BN and bias
-    trust_coefficient: float = 0.001  # LARS
-    label_smoothing: float = 0.1
-    ema_decay: float = 0.0  # 0 = off
-    grad_clip: float = 0.0  # 0 = off
-    fused: bool = True  # fused (GPU) / foreach multi-tensor optimizer kernels; false = per-tensor loop
-    lamb_beta2: float = 0.999  # LAMB second-moment decay (beta1 = momentum)
-    lamb_eps: float = 1e-6
-    lars_eps: float = 1e-8  # LARS trust-ratio denominator guard
+    name: Annotated[Str, OneOf("sgd", "lars", "lamb")] = "sgd"
+    lr_per_256: Annotated[Float, Range(0.0, 100.0)] = 0.4
+    momentum: Annotated[Float, Range(0.0, 0.9999)] = 0.9
+    nesterov: Bool = True
+    weight_decay: Annotated[Float, Range(0.0, 1.0)] = 5e-5
+    bn_bias_decay: Bool = False  # fast.ai / Goyal et al.: no weight decay on BN and bias
+    trust_coefficient: Annotated[Float, Range(0.0, 10.0)] = 0.001  # LARS
+    label_smoothing: Annotated[Float, Range(0.0, 0.99)] = 0.1
+    ema_decay: Annotated[Float, Range(0.0, 0.99999)] = 0.0  # 0 = off
+    grad_clip: Annotated[Float, Range(0.0, 1e6)] = 0.0  # 0 = off
+    fused: Bool = True  # fused (GPU) / foreach multi-tensor optimizer kernels; false = per-tensor loop
+    lamb_beta2: Annotated[Float, Range(0.0, 0.99999)] = 0.999  # LAMB second-moment decay (beta1 = momentum)
+    lamb_eps: Annotated[Float, Range(0.0, 1.0)] = 1e-6
+    lars_eps: Annotated[Float, Range(0.0, 1.0)] = 1e-8  # LARS trust-ratio denominator guard
 
 
+@_section
 @dataclass
 class ScheduleConfig:
-    epochs: int = 8
-    warmup_epochs: float = 1.0
-    warmup_start_factor: float = 0.1
-    decay: str = "cosine"  # linear | cosine | poly | step | none
-    poly_power: float = 2.0
-    step_milestones: list[float] = field(default_factory=list)  # epochs, for decay=step
-    step_gamma: float = 0.1
-    final_lr_factor: float = 0.0
-    momentum_schedule: bool = False  # cycle momentum inversely to the LR (one-cycle style)
-    phases: list[Phase] = field(
+    epochs: Annotated[Int, Range(1, 10000)] = 8
+    warmup_epochs: Annotated[Float, Range(0.0, 10000)] = 1.0
+    warmup_start_factor: Annotated[Float, Range(0.0, 1.0)] = 0.1
+    decay: Annotated[Str, OneOf("linear", "cosine", "poly", "step", "none")] = "cosine"
+    poly_power: Float = 2.0
+    step_milestones: Annotated[list[Float], BeforeValidator(_yaml_list)] = field(default_factory=list)  # epochs
+    step_gamma: Annotated[Float, Range(0.0, 1.0)] = 0.1
+    final_lr_factor: Annotated[Float, Range(0.0, 1.0)] = 0.0
+    momentum_schedule: Bool = False  # cycle momentum inversely to the LR (one-cycle style)
+    phases: Annotated[list[Phase], BeforeValidator(_yaml_list)] = field(
         default_factory=lambda: [Phase(until_epoch=8, resolution=64, batch_size=256)]
     )
-    eval_resolution: int = 0  # 0 = the last phase's resolution
-    tta_flip: bool = False
+    eval_resolution: Annotated[Int, Range(0, 2048)] = 0  # 0 = the last phase's resolution
+    tta_flip: Bool = False
 
 
+@_section
 @dataclass
-class ScalingSection:
-    workers: str = "2"  # "N" or "MIN:MAX" (elastic)
-    use_gpu: str = "auto"  # auto | true | false
-    cpus_per_worker: float = 0.5
-    ray_address: str = "auto"  # auto: join a running cluster, else start one; local: always a new local one
-    ray_num_cpus: int = 0  # logical CPUs for a local cluster; 0 = 2 x cores
-    max_failures: int = 10  # worker/node failures tolerated (preemptions with notice are not counted)
-    resize_check_s: float = 60.0  # how often an elastic run looks for more nodes
-    worker_resources: dict[str, float] = field(default_factory=dict)  # extra per-worker resources, e.g. {GPU_node: 1}
-    seed: int = 0
+class ScalingConfig:
+    workers: Str = "2"  # "N" or "MIN:MAX" (elastic)
+    use_gpu: Annotated[Str, OneOf("auto", "true", "false")] = "auto"
+    cpus_per_worker: Annotated[Float, Range(0.01, 1024)] = 0.5
+    # auto: join a running cluster, else start one; local: always a new local one
+    ray_address: Str = "auto"
+    ray_num_cpus: Annotated[Int, Range(0, 100000)] = 0  # logical CPUs for a local cluster; 0 = 2 x cores
+    # worker/node failures tolerated (preemptions with notice are not counted)
+    max_failures: Annotated[Int, Range(-1, 10**6)] = 10
+    resize_check_s: Annotated[Float, Range(0.1, 10**6)] = 60.0  # how often an elastic run looks for more nodes
+    # extra per-worker resources, e.g. {GPU_node: 1}
+    worker_resources: Annotated[dict[str, Float], BeforeValidator(_yaml_mapping)] = field(default_factory=dict)
+    seed: Int = 0
     # Spot interruption watcher (app/train/spot_watcher.py): auto = on for nodes with GPUs, or on every node
     # when spot_endpoint is changed from the AWS default; on = every node; off = none.
-    spot_watcher: str = "auto"
-    spot_endpoint: str = "http://169.254.169.254"  # instance metadata service (IMDSv2) base URL
-    spot_poll_s: float = 5.0  # AWS gives two minutes' notice; 5 s polls leave ~115 s to checkpoint
+    spot_watcher: Annotated[Str, OneOf("auto", "on", "off")] = "auto"
+    spot_endpoint: Str = "http://169.254.169.254"  # instance metadata service (IMDSv2) base URL
+    # AWS gives two minutes' notice; 5 s polls leave ~115 s to checkpoint
+    spot_poll_s: Annotated[Float, Range(0.05, 60.0)] = 5.0
 
 
+@_section
 @dataclass
 class CommConfig:
-    mode: str = "dense"  # dense | fp16 | bf16 | topk | hierarchical_topk | powersgd
-    ratio: float = 0.01
-    warmup_steps: int = 20
-    error_feedback: bool = True
-    bucket_mb: float = 0.0  # 0 = adaptive fusion measures it
-    powersgd_rank: int = 2
-    resize_dense_steps: int = 1  # dense steps after a resume with a different worker set (residuals reset)
+    mode: Annotated[Str, OneOf("dense", "fp16", "bf16", "topk", "hierarchical_topk", "powersgd")] = "dense"
+    ratio: Annotated[Float, Range(1e-6, 1.0)] = 0.01
+    warmup_steps: Annotated[Int, Range(0, 10**9)] = 20
+    error_feedback: Bool = True
+    bucket_mb: Annotated[Float, Range(0.0, 4096)] = 0.0  # 0 = adaptive fusion measures it
+    powersgd_rank: Annotated[Int, Range(1, 1024)] = 2
+    # dense steps after a resume with a different worker set (residuals reset)
+    resize_dense_steps: Annotated[Int, Range(0, 10**6)] = 1
 
 
+@_section
 @dataclass
-class CheckpointSection:
-    every_steps: int = 0  # 0 = every epoch
-    every_minutes: float = 0.0
-    keep: int = 3
-    stop_after_steps: int = 0  # end the run (with a checkpoint) after this many steps; --resume continues
+class CheckpointConfig:
+    every_steps: Annotated[Int, Range(0, 10**9)] = 0  # 0 = every epoch
+    every_minutes: Annotated[Float, Range(0.0, 10**6)] = 0.0
+    keep: Annotated[Int, Range(1, 10**6)] = 3
+    # end the run (with a checkpoint) after this many steps; --resume continues
+    stop_after_steps: Annotated[Int, Range(0, 10**9)] = 0
 
 
+@_section
 @dataclass
-class ReportSection:
-    every_steps: int = 20
-    tensorboard: bool = True
-    targets: list[float] = field(default_factory=lambda: [0.5, 0.8])  # top-1 targets
-    top5_targets: list[float] = field(default_factory=list)  # e.g. [0.93] for the DAWNBench target
-    log_samples: bool = False  # each rank records the sample ids of every step (audits of the epoch plan)
-    mlflow: str = ""
-    verbose: bool = False
-    progress_every_s: float = 1.0  # console progress poll interval (ProgressPrinter every_s)
+class ReportConfig:
+    every_steps: Annotated[Int, Range(1, 10**9)] = 20
+    tensorboard: Bool = True
+    # top-1 targets
+    targets: Annotated[list[Float], BeforeValidator(_yaml_list)] = field(default_factory=lambda: [0.5, 0.8])
+    # e.g. [0.93] for the DAWNBench target
+    top5_targets: Annotated[list[Float], BeforeValidator(_yaml_list)] = field(default_factory=list)
+    log_samples: Bool = False  # each rank records the sample ids of every step (audits of the epoch plan)
+    mlflow: Str = ""
+    verbose: Bool = False
+    # console progress poll interval (ProgressPrinter every_s)
+    progress_every_s: Annotated[Float, Range(0.05, 3600.0)] = 1.0
 
 
+@_section
 @dataclass
-class CostSection:
+class CostConfig:
     # Price key (of price_per_hour) of the training machines, used when a run did not measure seconds per
     # node type: "<instance type>" for on-demand, "<instance type>-spot" for spot. On a cluster built from
     # cluster.yaml each node also carries its key as the node label ``lightray-price-key``.
-    node_type: str = "local"
-    gpus_per_node: int = 0  # devices per machine, to turn device-hours into node-hours; 0 = one device per node
+    node_type: Str = "local"
+    # devices per machine, to turn device-hours into node-hours; 0 = one device per node
+    gpus_per_node: Annotated[Int, Range(0, 1024)] = 0
     # USD per machine-hour. On-demand: AWS us-west-2 Linux list prices; spot: typical recent us-west-2 spot
     # prices (they move; check the console's spot pricing history before a large run).
-    price_per_hour: dict[str, float] = field(
+    price_per_hour: Annotated[dict[str, Float], BeforeValidator(_yaml_mapping)] = field(
         default_factory=lambda: {"local": 0.0, "m6i.2xlarge": 0.384,
                                  "g5.48xlarge-spot": 4.9, "g5.48xlarge": 16.288,
                                  "p3.16xlarge-spot": 7.34, "p3.16xlarge": 24.48}
     )
 
+    def check_prices(self) -> None:
+        """Raise ConfigError unless every price is a finite number >= 0 and ``node_type`` has a price.
 
+        Not a field check: code builds a CostConfig and then asks for an estimate, which checks it here."""
+        for key, price in self.price_per_hour.items():
+            if not isinstance(price, (int, float)) or isinstance(price, bool) or not math.isfinite(price) \
+                    or price < 0:
+                raise ConfigError(
+                    f"cost.price_per_hour.{key}: bad value {price!r}; expected a price in USD per hour >= 0"
+                )
+        if self.node_type not in self.price_per_hour:
+            raise ConfigError(
+                f"cost.node_type: bad value {self.node_type!r}; expected a key of cost.price_per_hour "
+                f"({', '.join(sorted(self.price_per_hour))})"
+            )
+        if self.gpus_per_node < 0:
+            raise ConfigError(f"cost.gpus_per_node: bad value {self.gpus_per_node!r}; expected an integer >= 0")
+
+
+@_section
 @dataclass
 class Config:
-    name: str = ""
-    storage: str = ""
-    recipe: str = "demo"
+    name: Str = ""
+    storage: Str = ""
+    recipe: Str = "demo"
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    scaling: ScalingSection = field(default_factory=ScalingSection)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
     comm: CommConfig = field(default_factory=CommConfig)
-    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
-    report: ReportSection = field(default_factory=ReportSection)
-    cost: CostSection = field(default_factory=CostSection)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def worker_range(self) -> tuple[int, int]:
         return parse_workers(self.scaling.workers)
-
-
-# Allowed values, checked after every load and override.
-CHOICES: dict[str, tuple[str, ...]] = {
-    "model.arch": ("resnet_tiny", "resnet18", "resnet34", "resnet50"),
-    "model.precision": ("auto", "fp32", "bf16", "fp16"),
-    "model.compile_mode": ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
-    "optim.name": ("sgd", "lars", "lamb"),
-    "schedule.decay": ("linear", "cosine", "poly", "step", "none"),
-    "scaling.use_gpu": ("auto", "true", "false"),
-    "scaling.spot_watcher": ("auto", "on", "off"),
-    "comm.mode": ("dense", "fp16", "bf16", "topk", "hierarchical_topk", "powersgd"),
-    "data.val_mode": ("center", "rect"),
-}
-# (low, high, inclusive-low): numbers must lie in [low, high].
-RANGES: dict[str, tuple[float, float]] = {
-    "optim.lr_per_256": (0.0, 100.0),
-    "optim.momentum": (0.0, 0.9999),
-    "optim.weight_decay": (0.0, 1.0),
-    "optim.label_smoothing": (0.0, 0.99),
-    "optim.ema_decay": (0.0, 0.99999),
-    "optim.trust_coefficient": (0.0, 10.0),
-    "optim.grad_clip": (0.0, 1e6),
-    "optim.lamb_beta2": (0.0, 0.99999),
-    "optim.lamb_eps": (0.0, 1.0),
-    "optim.lars_eps": (0.0, 1.0),
-    "schedule.epochs": (1, 10000),
-    "schedule.warmup_epochs": (0.0, 10000),
-    "schedule.warmup_start_factor": (0.0, 1.0),
-    "schedule.final_lr_factor": (0.0, 1.0),
-    "schedule.step_gamma": (0.0, 1.0),
-    "schedule.eval_resolution": (0, 2048),
-    "comm.ratio": (1e-6, 1.0),
-    "comm.warmup_steps": (0, 10**9),
-    "comm.bucket_mb": (0.0, 4096),
-    "comm.powersgd_rank": (1, 1024),
-    "comm.resize_dense_steps": (0, 10**6),
-    "data.jpeg_quality": (1, 100),
-    "data.memory_budget_mb": (0, 10**7),
-    "data.shard_rows": (1, 10**7),
-    "data.val_crop_ratio": (0.1, 1.0),
-    "data.demo_classes": (2, 1000),
-    "data.demo_train_per_class": (1, 10**6),
-    "data.demo_val_per_class": (1, 10**6),
-    "data.preprocess_concurrency": (0, 4096),
-    "data.preprocess_cpus": (0.0, 64),
-    "data.unit_rows": (0, 10**6),
-    "data.autotune_seconds": (0.0, 600),
-    "data.val_batch_size": (1, 10**6),
-    "data.prefetch_batches": (0, 64),
-    "data.limit_train": (0, 10**9),
-    "data.limit_val": (0, 10**9),
-    "data.prepare_cpus_per_task": (0.01, 64),
-    "data.prepare_concurrency": (0, 100000),
-    "data.prepare_io_threads": (1, 256),
-    "scaling.cpus_per_worker": (0.01, 1024),
-    "scaling.ray_num_cpus": (0, 100000),
-    "scaling.max_failures": (-1, 10**6),
-    "scaling.resize_check_s": (0.1, 10**6),
-    "scaling.spot_poll_s": (0.05, 60.0),
-    "checkpoint.every_steps": (0, 10**9),
-    "checkpoint.every_minutes": (0.0, 10**6),
-    "checkpoint.keep": (1, 10**6),
-    "checkpoint.stop_after_steps": (0, 10**9),
-    "report.every_steps": (1, 10**9),
-    "report.progress_every_s": (0.05, 3600.0),
-    "cost.gpus_per_node": (0, 1024),
-}
 
 
 def parse_workers(text: str) -> tuple[int, int]:
@@ -281,83 +386,56 @@ def parse_workers(text: str) -> tuple[int, int]:
     return (nums[0], nums[-1])
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp))
+# --- building a Config from a mapping ------------------------------------------------------------------------
+@functools.cache
+def _adapter() -> TypeAdapter[Config]:
+    return TypeAdapter(Config)
 
 
-def _coerce(key: str, value: Any, tp: Any) -> Any:
-    """Convert ``value`` (from YAML or the command line) to ``tp`` or raise ConfigError."""
-    origin = typing.get_origin(tp)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{key}: bad value {value!r}; expected true or false")
-    if tp is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: bad value {value!r}; expected an integer")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}: bad value {value!r}; expected an integer")
-    if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: bad value {value!r}; expected a number")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}: bad value {value!r}; expected a number")
-    if tp is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"{key}: bad value {value!r}; expected a string")
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        if isinstance(value, str):
-            value = yaml.safe_load(value) if value.strip() else []
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: bad value {value!r}; expected a list")
-        return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
-    if origin is dict:
-        _, val_tp = typing.get_args(tp)
-        if isinstance(value, str):
-            value = yaml.safe_load(value)
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: bad value {value!r}; expected a mapping")
-        return {str(k): _coerce(f"{key}.{k}", v, val_tp) for k, v in value.items()}
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: bad value {value!r}; expected a mapping of {_type_name(tp)} fields")
-        return _build(tp, value, key)
-    raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")
+def _dotted_key(loc: tuple[str | int, ...]) -> str:
+    """Pydantic's error location as the user writes the key: ``schedule.phases[0].resolution``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
 
 
-def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for k, v in data.items():
-        key = f"{prefix}.{k}" if prefix else str(k)
-        if k not in names:
-            raise ConfigError(f"{key}: unknown key; allowed keys: {', '.join(sorted(names))}")
-        kwargs[k] = _coerce(key, v, hints[k])
-    missing = [f.name for f in dataclasses.fields(cls)
-               if f.name not in kwargs and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
-    if missing:
-        raise ConfigError(f"{prefix}.{missing[0]}: missing; a value is required")
-    return cls(**kwargs)
+def _section_at(loc: tuple[str | int, ...]) -> Any:
+    """The dataclass that holds the key at ``loc`` (list indices step into the item type)."""
+    cls: Any = Config
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        cls = typing.get_type_hints(cls)[part]
+        if typing.get_origin(cls) is list:
+            (cls,) = typing.get_args(cls)
+    return cls
+
+
+def _error_line(exc: ValidationError) -> str:
+    """The one line for the first problem pydantic found."""
+    err = exc.errors(include_url=False)[0]
+    key = _dotted_key(err["loc"])
+    kind = err["type"]
+    if kind == "config":
+        return f"{key}: {err['msg']}"
+    if kind in ("unexpected_keyword_argument", "extra_forbidden"):
+        names = sorted(f.name for f in dataclasses.fields(_section_at(err["loc"][:-1])))
+        return f"{key}: unknown key; allowed keys: {', '.join(names)}"
+    if kind in ("missing", "missing_argument"):
+        return f"{key}: missing; a value is required"
+    if kind == "dataclass_type":
+        return f"{key}: bad value {err['input']!r}; expected a mapping of {err['ctx']['class_name']} fields"
+    return f"{key}: bad value {err['input']!r}; {err['msg']}"
+
+
+def _build(data: dict[str, Any]) -> Config:
+    try:
+        cfg = _adapter().validate_python(data)
+    except ValidationError as exc:
+        raise ConfigError(_error_line(exc)) from None
+    check_config(cfg)
+    return cfg
 
 
 def recipe_path(name_or_path: str) -> pathlib.Path:
@@ -407,16 +485,12 @@ def load_config(recipe: str = "demo", overrides: dict[str, Any] | None = None) -
     tree: dict[str, Any] = {}
     for dotted, value in (overrides or {}).items():
         set_dotted(tree, dotted, value)
-    cfg = _build(Config, _merge(raw, tree), "")
-    validate(cfg)
-    return cfg
+    return _build(_merge(raw, tree))
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:
     """Rebuild a Config from ``Config.to_dict()`` output (e.g. a saved run)."""
-    cfg = _build(Config, data, "")
-    validate(cfg)
-    return cfg
+    return _build(data)
 
 
 def get_dotted(cfg: Config, dotted: str) -> Any:
@@ -429,13 +503,13 @@ def get_dotted(cfg: Config, dotted: str) -> Any:
 
 
 def key_type(dotted: str) -> Any:
-    """The declared type of a dotted key, or ConfigError if there is no such key."""
+    """The declared type of a dotted key (``int``, ``list[float]``, a section class), or ConfigError."""
     cls: Any = Config
     tp: Any = None
     for p in dotted.split("."):
         if not dataclasses.is_dataclass(cls):
             raise ConfigError(f"{dotted}: unknown key")
-        hints = typing.get_type_hints(cls)
+        hints = typing.get_type_hints(cls)  # without the Annotated validators
         if p not in hints:
             raise ConfigError(f"{dotted}: unknown key")
         tp = hints[p]
@@ -443,18 +517,9 @@ def key_type(dotted: str) -> Any:
     return tp
 
 
-def validate(cfg: Config) -> None:
-    """Range and choice checks that the type system does not express."""
-    for key, allowed in CHOICES.items():
-        val = get_dotted(cfg, key)
-        if val not in allowed:
-            raise ConfigError(f"{key}: bad value {val!r}; allowed: {', '.join(allowed)}")
-    for key, (lo, hi) in RANGES.items():
-        val = get_dotted(cfg, key)
-        if not (lo <= val <= hi):
-            raise ConfigError(f"{key}: bad value {val!r}; expected a number in [{lo:g}, {hi:g}]")
-    parse_workers(cfg.scaling.workers)
-    phases = cfg.schedule.phases
+# --- rules that span several keys (each value on its own already passed its field's checks) ------------------
+def _check_phases(sched: ScheduleConfig) -> None:
+    phases = sched.phases
     if not phases:
         raise ConfigError("schedule.phases: bad value []; expected at least one phase")
     prev = 0.0
@@ -469,18 +534,22 @@ def validate(cfg: Config) -> None:
         if not 0.0 < ph.min_scale <= 1.0:
             raise ConfigError(f"{key}.min_scale: bad value {ph.min_scale!r}; expected in (0, 1]")
         prev = ph.until_epoch
-    if phases[-1].until_epoch < cfg.schedule.epochs:
+    if phases[-1].until_epoch < sched.epochs:
         raise ConfigError(
             f"schedule.phases[{len(phases) - 1}].until_epoch: bad value {phases[-1].until_epoch!r}; "
-            f"the phases must cover schedule.epochs={cfg.schedule.epochs:g}"
+            f"the phases must cover schedule.epochs={sched.epochs:g}"
         )
-    if cfg.schedule.warmup_epochs > cfg.schedule.epochs:
+    if sched.warmup_epochs > sched.epochs:
         raise ConfigError(
-            f"schedule.warmup_epochs: bad value {cfg.schedule.warmup_epochs!r}; expected <= schedule.epochs"
+            f"schedule.warmup_epochs: bad value {sched.warmup_epochs!r}; expected <= schedule.epochs"
         )
-    from app.report.cost import validate_cost
 
-    validate_cost(cfg.cost)
+
+def check_config(cfg: Config) -> None:
+    """The checks that no single field expresses: worker range, phases, prices and accuracy targets."""
+    parse_workers(cfg.scaling.workers)
+    _check_phases(cfg.schedule)
+    cfg.cost.check_prices()
     for key in ("targets", "top5_targets"):
         for t in getattr(cfg.report, key):
             if not 0.0 < t <= 1.0:

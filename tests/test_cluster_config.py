@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from app.config import CostSection
+from app.config import CostConfig
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -61,10 +61,10 @@ def test_gpu_workers_are_spot_with_an_on_demand_fallback_of_the_same_shape(cfg):
 
 
 def test_every_node_type_has_a_price_in_the_cost_section(cfg):
-    prices = CostSection().price_per_hour
+    prices = CostConfig().price_per_hour
     for name, t in cfg["available_node_types"].items():
         key = checks.price_key(t)
-        assert key in prices, f"{name}: no price for {key!r} in app/config.py CostSection.price_per_hour"
+        assert key in prices, f"{name}: no price for {key!r} in app/config.py CostConfig.price_per_hour"
         label = (t.get("labels") or {}).get("lightray-price-key")
         if name != cfg["head_node_type"]:
             assert label == key, f"{name}: label lightray-price-key={label!r}, expected {key!r}"

@@ -6,21 +6,15 @@ import json
 
 import pytest
 
-from app.config import ConfigError, CostSection, load_config
-from app.report.cost import (
-    CostMeter,
-    current_price_key,
-    estimate_cost,
-    node_seconds_for_group,
-    validate_cost,
-)
+from app.config import ConfigError, CostConfig, load_config
+from app.report.cost import estimate_cost, validate_cost
 
 
-def _cfg(**kw) -> CostSection:
+def _cfg(**kw) -> CostConfig:
     base = {"node_type": "g5.48xlarge-spot", "gpus_per_node": 8,
             "price_per_hour": {"g5.48xlarge-spot": 4.9, "g5.48xlarge": 16.288, "m6i.2xlarge": 0.384}}
     base.update(kw)
-    return CostSection(**base)
+    return CostConfig(**base)
 
 
 def test_device_seconds_become_node_hours_priced_at_the_configured_node_type():
@@ -49,7 +43,7 @@ def test_measured_node_seconds_price_spot_and_on_demand_separately():
 
 
 def test_default_cost_section_prices_a_local_run_at_zero():
-    out = estimate_cost(CostSection(), device_seconds=1234.0, node_seconds=None)
+    out = estimate_cost(CostConfig(), device_seconds=1234.0, node_seconds=None)
     assert out["usd"] == 0.0
     assert out["device_hours"] == pytest.approx(1234.0 / 3600)
 
@@ -84,39 +78,6 @@ def test_cost_section_overrides_go_through_load_config(tmp_path):
         load_config(str(recipe), {"cost.gpus_per_node": "-1"})
 
 
-def test_meter_accumulates_across_restarts_through_its_checkpoint_state():
-    first = CostMeter()
-    first.add(8 * 600.0, {"g5.48xlarge-spot": 2 * 600.0})
-    saved = json.loads(json.dumps(first.state_dict()))  # the checkpoint round trip
-    # The spot machine is lost; the run continues from the checkpoint on an on-demand fallback.
-    second = CostMeter.from_state(saved)
-    second.add(8 * 300.0, {"g5.48xlarge": 300.0})
-    est = second.estimate(_cfg())
-    assert est["device_hours"] == pytest.approx((4800 + 2400) / 3600)
-    assert est["node_hours"] == pytest.approx((1200 + 300) / 3600)
-    assert est["usd"] == pytest.approx(1200 / 3600 * 4.9 + 300 / 3600 * 16.288)
-
-
-def test_meter_without_node_seconds_falls_back_to_device_based_estimate():
-    meter = CostMeter.from_state(None)
-    meter.add(8 * 3600.0)
-    assert meter.estimate(_cfg())["usd"] == pytest.approx(4.9)
-
-
-def test_meter_rejects_a_state_that_is_not_its_own():
-    with pytest.raises(ConfigError, match="cost state: bad value"):
-        CostMeter.from_state({"step": 3})
-
-
-def test_node_seconds_for_group_counts_machines_not_workers():
-    got = node_seconds_for_group(["g5.48xlarge-spot", "g5.48xlarge-spot", "g5.48xlarge"], 60.0)
-    assert got == {"g5.48xlarge-spot": 120.0, "g5.48xlarge": 60.0}
-
-
-def test_current_price_key_without_ray_is_the_default():
-    assert current_price_key("local") == "local"
-
-
 def test_cost_table_in_the_cluster_docs_matches_the_configured_prices():
     # README.md ("Run on a cluster") prices a 16 x 8-GPU run (+ 15 min of boot and idle time on every machine,
     # + the head)
@@ -127,7 +88,7 @@ def test_cost_table_in_the_cluster_docs_matches_the_configured_prices():
     doc = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
     rows = re.findall(r"^\| (\d+) min \| (\d+) \| ([\d.]+) \| \$([\d.]+) \| \$([\d.]+) \|$", doc, flags=re.M)
     assert len(rows) >= 2
-    cfg = CostSection(node_type="g5.48xlarge-spot", gpus_per_node=8)
+    cfg = CostConfig(node_type="g5.48xlarge-spot", gpus_per_node=8)
     for minutes, device_hours, node_hours, spot_usd, ondemand_usd in rows:
         wall = (int(minutes) + 15) * 60.0
         spot = estimate_cost(cfg, 128 * int(minutes) * 60.0, {"g5.48xlarge-spot": 16 * wall, "m6i.2xlarge": wall})

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from app.config import ConfigError, ScalingSection
+from app.config import ConfigError, ScalingConfig
 from app.train.spot_watcher import (
     SpotWatcher,
     WatcherKeeper,
@@ -121,7 +121,7 @@ def test_parse_notice_reads_utc_time_and_rejects_bad_fields_by_name():
 
 def test_bad_endpoint_or_mode_is_a_config_error_naming_the_key():
     with pytest.raises(ConfigError, match=r"scaling\.spot_endpoint: bad value 'ftp://x'"):
-        start_watchers(ScalingSection(spot_endpoint="ftp://x"), "run")
+        start_watchers(ScalingConfig(spot_endpoint="ftp://x"), "run")
     with pytest.raises(ConfigError, match=r"scaling\.spot_endpoint: bad value '169\.254\.169\.254'"):
         SpotWatcher("169.254.169.254", drain=False)
 
@@ -176,7 +176,7 @@ def cluster():
 
 def test_start_watchers_puts_one_per_alive_node_and_is_idempotent(cluster, imds):
     _, head, worker = cluster
-    cfg = ScalingSection(spot_watcher="on", spot_endpoint=imds.url, spot_poll_s=0.2)
+    cfg = ScalingConfig(spot_watcher="on", spot_endpoint=imds.url, spot_poll_s=0.2)
     handles = start_watchers(cfg, "idem")
     try:
         again = start_watchers(cfg, "idem")
@@ -191,22 +191,22 @@ def test_start_watchers_puts_one_per_alive_node_and_is_idempotent(cluster, imds)
 
 def test_auto_mode_watches_gpu_nodes_only_unless_endpoint_is_set_and_off_watches_none(cluster, imds):
     _, head, worker = cluster
-    handles = start_watchers(ScalingSection(spot_watcher="auto", spot_poll_s=30.0), "auto-default")
+    handles = start_watchers(ScalingConfig(spot_watcher="auto", spot_poll_s=30.0), "auto-default")
     try:
         assert [s["node_id"] for s in watcher_statuses(handles)] == [worker]  # the head has no GPU
     finally:
         stop_watchers(handles)
-    handles = start_watchers(ScalingSection(spot_watcher="auto", spot_endpoint=imds.url, spot_poll_s=30.0), "auto-set")
+    handles = start_watchers(ScalingConfig(spot_watcher="auto", spot_endpoint=imds.url, spot_poll_s=30.0), "auto-set")
     try:
         assert len(handles) == 2
     finally:
         stop_watchers(handles)
-    assert start_watchers(ScalingSection(spot_watcher="off", spot_endpoint=imds.url), "off") == []
+    assert start_watchers(ScalingConfig(spot_watcher="off", spot_endpoint=imds.url), "off") == []
 
 
 def test_keeper_adds_a_watcher_when_a_node_joins_and_stop_ends_them_all(cluster, imds):
     c, head, worker = cluster
-    cfg = ScalingSection(spot_watcher="on", spot_endpoint=imds.url, spot_poll_s=0.5)
+    cfg = ScalingConfig(spot_watcher="on", spot_endpoint=imds.url, spot_poll_s=0.5)
     keeper = WatcherKeeper(cfg, "keeper", every_s=0.5).start()
     new = None
     try:
@@ -228,11 +228,12 @@ def test_notice_drains_own_node_for_preemption_and_train_loop_sees_it(cluster, i
     Runs last in this module: it leaves the worker node draining."""
     import ray
     import ray.train
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import RunConfig
+    from ray.train import ScalingConfig as TrainScalingConfig
     from ray.train.torch import TorchTrainer
 
     _, head, worker = cluster
-    cfg = ScalingSection(spot_watcher="on", spot_endpoint=imds.url, spot_poll_s=0.2)
+    cfg = ScalingConfig(spot_watcher="on", spot_endpoint=imds.url, spot_poll_s=0.2)
     handles = start_watchers(cfg, "drain", node_ids=[worker])
     marker = tmp_path / "looping"
 
@@ -260,8 +261,8 @@ def test_notice_drains_own_node_for_preemption_and_train_loop_sees_it(cluster, i
     try:
         trainer = TorchTrainer(
             train_fn, train_loop_config={"marker": str(marker), "seen": str(tmp_path / "seen.json")},
-            scaling_config=ScalingConfig(num_workers=1, use_gpu=False,
-                                         resources_per_worker={"CPU": 1, "spot_node": 1}),
+            scaling_config=TrainScalingConfig(num_workers=1, use_gpu=False,
+                                              resources_per_worker={"CPU": 1, "spot_node": 1}),
             run_config=RunConfig(name="spot-drain", storage_path=str(tmp_path / "storage")),
         )
         trainer.fit()

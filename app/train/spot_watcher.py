@@ -30,7 +30,7 @@ import urllib.request
 from datetime import datetime, timezone
 from typing import Any
 
-from app.config import ConfigError, ScalingSection
+from app.config import ConfigError, ScalingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -313,7 +313,7 @@ def _actor_name(run_name: str, node_id: str) -> str:
     return f"spot-watcher:{run_name}:{node_id}"
 
 
-def watched_nodes(cfg: ScalingSection) -> list[str]:
+def watched_nodes(cfg: ScalingConfig) -> list[str]:
     """Node ids that get a watcher under ``cfg.spot_watcher``: alive, not already draining, and for
     ``auto`` with the default endpoint only nodes with GPUs (CPU-only head/ingest nodes are usually
     on-demand; a changed endpoint says the user wants every node watched)."""
@@ -336,7 +336,7 @@ def watched_nodes(cfg: ScalingSection) -> list[str]:
     return out
 
 
-def start_watchers(cfg: ScalingSection, run_name: str, node_ids: list[str] | None = None,
+def start_watchers(cfg: ScalingConfig, run_name: str, node_ids: list[str] | None = None,
                    ready_timeout_s: float = 60.0) -> list:
     """Start (or find) one watcher actor per eligible node and return their handles.
 
@@ -348,7 +348,7 @@ def start_watchers(cfg: ScalingSection, run_name: str, node_ids: list[str] | Non
     return list(_start_by_node(cfg, run_name, node_ids, ready_timeout_s).values())
 
 
-def _start_by_node(cfg: ScalingSection, run_name: str, node_ids: list[str] | None,
+def _start_by_node(cfg: ScalingConfig, run_name: str, node_ids: list[str] | None,
                    ready_timeout_s: float) -> dict[str, Any]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -393,7 +393,7 @@ class WatcherKeeper:
     there. ``stop()`` ends the thread and the watchers.
     """
 
-    def __init__(self, cfg: ScalingSection, run_name: str, every_s: float = 30.0):
+    def __init__(self, cfg: ScalingConfig, run_name: str, every_s: float = 30.0):
         self.cfg = cfg
         self.run_name = run_name
         self.every_s = float(every_s)

@@ -204,26 +204,37 @@ def _stop(space: SearchSpace) -> dict[str, float] | None:
 def run_search(cfg: Config, space: str | None = None, trials: int | None = None, concurrent: int | None = None,
                resume: bool = False, *, stream: TextIO | None = None, verbose: int = 0) -> dict[str, Any]:
     """Run (or with ``resume``, continue) a search; returns {experiment_dir, trials, best, files}."""
-    import ray
-
-    from app.data.prepare import prepare_main
-    from app.train.runner import connect_ray
-
     out = stream or sys.stdout
     exp_dir, storage = _resolve_experiment(cfg, space, resume)
+    base, sp = _load_experiment(cfg, space, exp_dir, storage, resume)
+    _apply_counts(sp, trials, concurrent, resume, out)
+    trial_base = base_for_trials(base, sp)
+    _save_experiment(exp_dir, base, sp, resume)
+    k = _start_cluster(cfg, trial_base, sp, exp_dir, out)
+    t0 = time.time()
+    grid = _tuner(trial_base, sp, exp_dir, storage, k, resume, verbose, out).fit()
+    return _finish(grid, sp, exp_dir, trial_base, t0, out)
+
+
+def _load_experiment(cfg: Config, space: str | None, exp_dir: pathlib.Path, storage: str,
+                     resume: bool) -> tuple[Config, SearchSpace]:
+    """The base config and the space: read back from the experiment folder, or new from ``cfg``."""
     saved = exp_dir / SPACE_FILE
     if resume:
         if not saved.is_file():
             raise FileNotFoundError(f"--tune --resume: {exp_dir} is not a tune experiment (no {SPACE_FILE})")
         base = config_from_dict(yaml.safe_load((exp_dir / BASE_FILE).read_text()))
         raw_space = yaml.safe_load(saved.read_text())
-        sp = parse_space(raw_space, base, str(saved))
-    else:
-        if saved.is_file():
-            raise FileExistsError(f"tune experiment {exp_dir} exists; pass --resume to continue it or use "
-                                  "another --name")
-        base = _prepare_base(cfg, storage)
-        sp = load_space(space, base)
+        return base, parse_space(raw_space, base, str(saved))
+    if saved.is_file():
+        raise FileExistsError(f"tune experiment {exp_dir} exists; pass --resume to continue it or use "
+                              "another --name")
+    base = _prepare_base(cfg, storage)
+    return base, load_space(space, base)
+
+
+def _apply_counts(sp: SearchSpace, trials: int | None, concurrent: int | None, resume: bool, out: TextIO) -> None:
+    """``--trials`` / ``--concurrent`` over the space's own (a resumed experiment keeps what it started with)."""
     if resume and (trials is not None or concurrent is not None):
         print("  note: a resumed experiment keeps the trial count and concurrency it was started with",
               file=out, flush=True)
@@ -236,12 +247,25 @@ def run_search(cfg: Config, space: str | None = None, trials: int | None = None,
         if concurrent < 1:
             raise ConfigError(f"--concurrent: bad value {concurrent!r}; expected >= 1")
         sp.concurrent = concurrent
-    trial_base = base_for_trials(base, sp)
 
+
+def _save_experiment(exp_dir: pathlib.Path, base: Config, sp: SearchSpace, resume: bool) -> None:
+    """What ``--resume`` reads back: the base config and the resolved space (written once, at the start)."""
     exp_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
         (exp_dir / BASE_FILE).write_text(yaml.safe_dump(base.to_dict(), sort_keys=False))
-        saved.write_text(f"# resolved from {sp.source}\n" + yaml.safe_dump(sp.to_dict(), sort_keys=False))
+        (exp_dir / SPACE_FILE).write_text(f"# resolved from {sp.source}\n"
+                                          + yaml.safe_dump(sp.to_dict(), sort_keys=False))
+
+
+def _start_cluster(cfg: Config, trial_base: Config, sp: SearchSpace, exp_dir: pathlib.Path, out: TextIO) -> int:
+    """Connect to Ray, size the concurrency to the cluster, print the plan and prepare the shard cache.
+
+    Returns how many trials run at once."""
+    import ray
+
+    from app.data.prepare import prepare_main
+    from app.train.runner import connect_ray
 
     connect_ray(trial_base, bool(cfg.report.verbose))
     k, note = fit_concurrency(trial_base, sp.concurrent, ray.cluster_resources())
@@ -250,28 +274,35 @@ def run_search(cfg: Config, space: str | None = None, trials: int | None = None,
     if note:
         print(f"  note: {note}", file=out, flush=True)
     prepare_main(trial_base)  # once here, so that concurrent trials all find the shard cache ready
+    return k
 
+
+def _tuner(trial_base: Config, sp: SearchSpace, exp_dir: pathlib.Path, storage: str, k: int, resume: bool,
+           verbose: int, out: TextIO) -> tune.Tuner:
+    """A new Tuner, or on ``resume`` the experiment's own restored from its folder."""
     objective = {"kind": sp.objective, "metric": sp.metric, "target": sp.target}
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, base=trial_base.to_dict(), exp_dir=str(exp_dir), objective=objective),
         tune.PlacementGroupFactory(trial_bundles(trial_base)))
-    t0 = time.time()
     if resume and tune.Tuner.can_restore(str(exp_dir)):
         print("  resuming: finished trials are kept, unfinished ones restart from their checkpoints",
               file=out, flush=True)
-        tuner = tune.Tuner.restore(str(exp_dir), trainable, resume_unfinished=True, resume_errored=False,
-                                   restart_errored=False)
-    else:
-        tuner = tune.Tuner(
-            trainable,
-            tune_config=tune.TuneConfig(num_samples=sp.trials, max_concurrent_trials=k,
-                                        search_alg=_searcher(sp, exp_dir), scheduler=_scheduler(sp),
-                                        trial_dirname_creator=trial_dirname),
-            run_config=tune.RunConfig(name=exp_dir.name, storage_path=storage, stop=_stop(sp),
-                                      failure_config=tune.FailureConfig(max_failures=0), verbose=verbose,
-                                      callbacks=[ConsoleLines(sp.tune_metric)]),
-        )
-    grid = tuner.fit()
+        return tune.Tuner.restore(str(exp_dir), trainable, resume_unfinished=True, resume_errored=False,
+                                  restart_errored=False)
+    return tune.Tuner(
+        trainable,
+        tune_config=tune.TuneConfig(num_samples=sp.trials, max_concurrent_trials=k,
+                                    search_alg=_searcher(sp, exp_dir), scheduler=_scheduler(sp),
+                                    trial_dirname_creator=trial_dirname),
+        run_config=tune.RunConfig(name=exp_dir.name, storage_path=storage, stop=_stop(sp),
+                                  failure_config=tune.FailureConfig(max_failures=0), verbose=verbose,
+                                  callbacks=[ConsoleLines(sp.tune_metric)]),
+    )
+
+
+def _finish(grid, sp: SearchSpace, exp_dir: pathlib.Path, trial_base: Config, t0: float,
+            out: TextIO) -> dict[str, Any]:
+    """Collect the trials, write the outputs and print the table, the best trial and where things are."""
     records = collect_trials(grid, sp, exp_dir)
     result = write_outputs(exp_dir, sp, trial_base, records)
     result["wall_s"] = time.time() - t0

@@ -41,7 +41,7 @@ from typing import Any
 
 import yaml
 
-from app.config import Config, ConfigError, _coerce, config_from_dict, key_type, set_dotted
+from app.config import Config, ConfigError, coerce_scalar, config_from_dict, key_type, set_dotted
 
 GLOBAL_BATCH = "global_batch"
 DISTS = ("loguniform", "uniform", "int", "choice")
@@ -223,7 +223,7 @@ def parse_param(where: str, key: str, spec: Any) -> Param:
             if isinstance(v, (list, dict)) or v is None:
                 raise ConfigError(f"{where}.values[{i}]: bad value {v!r}; expected a {tname}")
             try:
-                out.append(_coerce(f"{where}.values[{i}]", v, tp))
+                out.append(coerce_scalar(f"{where}.values[{i}]", v, tp))
             except ConfigError as exc:
                 raise ConfigError(f"{exc} (the type of {key})") from None
         if len(set(out)) != len(out):
@@ -255,6 +255,22 @@ def parse_space(raw: Any, base: Config, source: str = "space") -> SearchSpace:
         raise ConfigError(f"{source}: expected a mapping with a params section, got {type(raw).__name__}")
     _mapping(source, raw, TOP_KEYS)
     sp = SearchSpace(source=source, params=[])
+    # In file order of the sections, so that the first bad entry is the one reported.
+    _parse_objective(sp, raw)
+    _parse_counts(sp, raw)
+    _parse_budget(sp, raw, base)
+    _parse_scheduler(sp, raw)
+    _parse_searcher(sp, raw)
+    _parse_study_storage(sp, raw)
+    _parse_fixed(sp, raw)
+    _parse_params(sp, raw)
+    _check_bounds(sp, base)
+    return sp
+
+
+def _parse_objective(sp: SearchSpace, raw: dict[str, Any]) -> None:
+    """``objective``, ``metric``, ``mode`` and (time_to_target) ``target``."""
+    source = sp.source
     sp.objective = _choice(f"{source}: objective", raw.get("objective", "max_metric"), OBJECTIVES)
     metric = raw.get("metric", "val_top1")
     if not isinstance(metric, str) or not metric.startswith("val_"):
@@ -268,11 +284,20 @@ def parse_space(raw: Any, base: Config, source: str = "space") -> SearchSpace:
             raise ConfigError(f"{source}: target: bad value {sp.target!r}; expected a top-1 fraction in (0, 1]")
         if sp.metric != "val_top1":
             raise ConfigError(f"{source}: metric: bad value {sp.metric!r}; time_to_target measures val_top1")
+
+
+def _parse_counts(sp: SearchSpace, raw: dict[str, Any]) -> None:
+    """``trials`` and ``concurrent``: integers >= 1."""
     for k in ("trials", "concurrent"):
-        v = _num(f"{source}: {k}", raw.get(k, getattr(sp, k)), integer=True)
+        v = _num(f"{sp.source}: {k}", raw.get(k, getattr(sp, k)), integer=True)
         if v < 1:
-            raise ConfigError(f"{source}: {k}: bad value {v!r}; expected >= 1")
+            raise ConfigError(f"{sp.source}: {k}: bad value {v!r}; expected >= 1")
         setattr(sp, k, v)
+
+
+def _parse_budget(sp: SearchSpace, raw: dict[str, Any], base: Config) -> None:
+    """``budget``: epochs per trial (default: the recipe's) and an optional wall-clock cap."""
+    source = sp.source
     budget = _mapping(f"{source}: budget", raw.get("budget"), ("epochs", "time_s"))
     sp.budget_epochs = int(_num(f"{source}: budget.epochs", budget.get("epochs", base.schedule.epochs), True))
     if sp.budget_epochs < 1:
@@ -280,6 +305,11 @@ def parse_space(raw: Any, base: Config, source: str = "space") -> SearchSpace:
     sp.budget_time_s = float(_num(f"{source}: budget.time_s", budget.get("time_s", 0.0)))
     if sp.budget_time_s < 0:
         raise ConfigError(f"{source}: budget.time_s: bad value {sp.budget_time_s!r}; expected >= 0 (0 = no cap)")
+
+
+def _parse_scheduler(sp: SearchSpace, raw: dict[str, Any]) -> None:
+    """``scheduler``: asha (rungs in epochs, within the budget) or fifo."""
+    source = sp.source
     sched = _mapping(f"{source}: scheduler", raw.get("scheduler"), ("name", "grace_period", "reduction_factor",
                                                                    "brackets"))
     sp.scheduler = _choice(f"{source}: scheduler.name", sched.get("name", "asha"), SCHEDULERS)
@@ -293,6 +323,11 @@ def parse_space(raw: Any, base: Config, source: str = "space") -> SearchSpace:
     sp.brackets = int(_num(f"{source}: scheduler.brackets", sched.get("brackets", 1), True))
     if sp.brackets < 1:
         raise ConfigError(f"{source}: scheduler.brackets: bad value {sp.brackets!r}; expected >= 1")
+
+
+def _parse_searcher(sp: SearchSpace, raw: dict[str, Any]) -> None:
+    """``searcher``: Optuna's TPE or random sampler and their settings."""
+    source = sp.source
     srch = _mapping(f"{source}: searcher", raw.get("searcher"), ("name", "seed", "n_startup_trials", "multivariate"))
     sp.searcher = _choice(f"{source}: searcher.name", srch.get("name", "tpe"), SEARCHERS)
     sp.seed = int(_num(f"{source}: searcher.seed", srch.get("seed", 0), True))
@@ -303,18 +338,28 @@ def parse_space(raw: Any, base: Config, source: str = "space") -> SearchSpace:
     if not isinstance(mv, bool):
         raise ConfigError(f"{source}: searcher.multivariate: bad value {mv!r}; expected true or false")
     sp.multivariate = mv
+
+
+def _parse_study_storage(sp: SearchSpace, raw: dict[str, Any]) -> None:
     storage = raw.get("study_storage", "") or ""
     if not isinstance(storage, str):
-        raise ConfigError(f"{source}: study_storage: bad value {storage!r}; expected a database URL or \"\"")
+        raise ConfigError(f"{sp.source}: study_storage: bad value {storage!r}; expected a database URL or \"\"")
     sp.study_storage = storage
 
+
+def _parse_fixed(sp: SearchSpace, raw: dict[str, Any]) -> None:
+    """``fixed``: dotted config keys (or global_batch) set in every trial."""
     fixed = raw.get("fixed") or {}
     if not isinstance(fixed, dict):
-        raise ConfigError(f"{source}: fixed: bad value {fixed!r}; expected a mapping of dotted config keys")
+        raise ConfigError(f"{sp.source}: fixed: bad value {fixed!r}; expected a mapping of dotted config keys")
     for k in fixed:
-        _param_type(f"{source}: fixed.{k}", str(k))
+        _param_type(f"{sp.source}: fixed.{k}", str(k))
     sp.fixed = {str(k): v for k, v in fixed.items()}
 
+
+def _parse_params(sp: SearchSpace, raw: dict[str, Any]) -> None:
+    """``params``: the searched keys, none of them also fixed."""
+    source = sp.source
     params = raw.get("params")
     if not isinstance(params, dict) or not params:
         raise ConfigError(f"{source}: params: bad value {params!r}; expected a mapping of dotted config keys "
@@ -325,18 +370,19 @@ def parse_space(raw: Any, base: Config, source: str = "space") -> SearchSpace:
             raise ConfigError(f"{source}: params.{key}: also set in fixed; a key is either searched or fixed")
         sp.params.append(parse_param(f"{source}: params.{key}", key, spec))
 
-    # Every bound (or choice) on its own must give a valid config: catches ranges the config refuses.
+
+def _check_bounds(sp: SearchSpace, base: Config) -> None:
+    """Every bound (or choice) on its own must give a valid config: catches ranges the config refuses."""
     try:
         trial_base = base_for_trials(base, sp)
     except ConfigError as exc:
-        raise ConfigError(f"{source}: fixed/budget: {exc}") from None
+        raise ConfigError(f"{sp.source}: fixed/budget: {exc}") from None
     for prm in sp.params:
         for v in prm.candidates():
             try:
                 apply_params(trial_base, {prm.key: v})
             except ConfigError as exc:
-                raise ConfigError(f"{source}: params.{prm.key} = {v!r}: {exc}") from None
-    return sp
+                raise ConfigError(f"{sp.source}: params.{prm.key} = {v!r}: {exc}") from None
 
 
 def scale_batches(tree: dict[str, Any], global_batch: int) -> None:
@@ -367,7 +413,7 @@ def base_for_trials(base: Config, space: SearchSpace) -> Config:
     tree = copy.deepcopy(base.to_dict())
     for k, v in space.fixed.items():
         if k == GLOBAL_BATCH:
-            scale_batches(tree, int(_coerce(k, v, int)))
+            scale_batches(tree, int(coerce_scalar(k, v, int)))
         else:
             set_dotted(tree, k, v)
     apply_budget(tree, space.budget_epochs)

@@ -2,9 +2,10 @@
 
 Submitted with ``ray job submit --working-dir . -- python tests/cluster/spot_job.py --storage DIR``.
 It checkpoints every step and resumes from ``ray.train.get_checkpoint()`` after a worker group restart
-(as lightray does), and keeps its cost meter in the checkpoint. It appends one JSON line per worker start
-to ``<storage>/<name>/events.jsonl`` and writes ``<storage>/<name>/result.json`` at the end, which is
-what the test reads. Stands in for ``app/run.py --smoke-test`` until that runs on this cluster.
+(as lightray does), and keeps its device-seconds and machine-seconds per price key in the checkpoint.
+It appends one JSON line per worker start to ``<storage>/<name>/events.jsonl`` and writes
+``<storage>/<name>/result.json`` at the end, which is what the test reads. Stands in for
+``app/run.py --smoke-test`` until that runs on this cluster.
 """
 
 from __future__ import annotations
@@ -27,8 +28,19 @@ import torch.distributed as dist  # noqa: E402
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig  # noqa: E402
 from ray.train.torch import TorchTrainer  # noqa: E402
 
-from app.config import CostSection  # noqa: E402
-from app.report.cost import CostMeter, current_price_key  # noqa: E402
+from app.config import CostConfig  # noqa: E402
+from app.report.cost import estimate_cost  # noqa: E402
+
+# The node label that the cluster file puts on every worker machine (its key in cost.price_per_hour).
+PRICE_LABEL = "lightray-price-key"
+
+
+def node_price_key(default: str) -> str:
+    """This machine's price key from its node label; ``default`` on a node without one."""
+    value = ray.get_runtime_context().get_node_labels().get(PRICE_LABEL)
+    if isinstance(value, list):  # typed as a list in some Ray versions
+        value = value[0] if value else None
+    return str(value) if value else default
 
 
 def train_fn(config: dict) -> None:
@@ -38,15 +50,16 @@ def train_fn(config: dict) -> None:
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    step, meter = 0, CostMeter()
+    # Totals over every attempt: they go into each checkpoint and continue from it after a restart.
+    step, device_s, node_s = 0, 0.0, {}
     ckpt = ray.train.get_checkpoint()
     if ckpt:
         with ckpt.as_directory() as d:
             state = torch.load(os.path.join(d, "state.pt"), weights_only=False)
         model.module.load_state_dict(state["model"])
         step = state["step"]
-        meter = CostMeter.from_state(state["cost"])
-    key = current_price_key("local")
+        device_s, node_s = state["cost"]["device_seconds"], dict(state["cost"]["node_seconds"])
+    key = node_price_key("local")
     with open(run_dir / "events.jsonl", "a") as f:
         f.write(json.dumps({"event": "start", "rank": rank, "world": world, "step": step, "price_key": key,
                             "node_id": ray.get_runtime_context().get_node_id(), "time": time.time()}) + "\n")
@@ -65,16 +78,19 @@ def train_fn(config: dict) -> None:
         dist.all_reduce(spent)
         keys = [None] * world
         dist.all_gather_object(keys, key)
-        meter.add(float(spent.item()), {k: (now - last) for k in keys})
+        device_s += float(spent.item())
+        for k in keys:
+            node_s[k] = node_s.get(k, 0.0) + (now - last)
         last = now
         with tempfile.TemporaryDirectory() as d:
             if rank == 0:
-                torch.save({"model": model.module.state_dict(), "step": step, "cost": meter.state_dict()},
+                cost = {"device_seconds": device_s, "node_seconds": node_s}
+                torch.save({"model": model.module.state_dict(), "step": step, "cost": cost},
                            os.path.join(d, "state.pt"))
             ray.train.report({"step": step, "loss": float(loss)},
                              checkpoint=Checkpoint.from_directory(d) if rank == 0 else None)
     if rank == 0:
-        est = meter.estimate(CostSection(node_type="g5.48xlarge-spot"))
+        est = estimate_cost(CostConfig(node_type="g5.48xlarge-spot"), device_s, node_s or None)
         (run_dir / "result.json").write_text(json.dumps({"step": step, "world": world, "cost": est}))
 
 
