@@ -98,10 +98,11 @@ def rng_state() -> dict:
 
 
 def set_rng_state(s: dict) -> None:
-    torch.set_rng_state(s["torch"])
+    # Checkpoints load with map_location=device; the CPU generator only takes a CPU byte tensor.
+    torch.set_rng_state(s["torch"].cpu())
     np.random.set_state(s["numpy"])
     if s.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
+        torch.cuda.set_rng_state_all([t.cpu() for t in s["cuda"]])
 
 
 def _new_window() -> dict[str, float]:

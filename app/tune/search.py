@@ -61,14 +61,14 @@ def trial_dirname(trial) -> str:
 def run_trial(config: dict[str, Any], *, base: dict[str, Any], exp_dir: str, objective: dict[str, Any]) -> None:
     """Tune trial function: one lightray run with the sampled values, reporting through the callback."""
     from app import storage
-    from app.train import state as st
     from app.train.runner import run_training
+    from app.train.state import list_checkpoints
 
     trial_id = tune.get_context().get_trial_id()
     cfg = apply_params(config_from_dict(base), config)
     cfg.storage, cfg.name = exp_dir, trial_id
     # A trial restarted by Tuner.restore finds its earlier checkpoints and continues from them.
-    resume = bool(st.list_checkpoints(storage.join(exp_dir, trial_id)))
+    resume = bool(list_checkpoints(storage.join(exp_dir, trial_id)))
     run_training(cfg, resume=resume, progress=False, callbacks=[TrialReportCallback(Objective(**objective))])
 
 
