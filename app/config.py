@@ -66,7 +66,11 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    arch: str = "resnet_tiny"  # resnet_tiny | resnet18 | resnet34 | resnet50
+    arch: str = "resnet_tiny"  # resnet_tiny | any torchvision classification model (resnet50) | timm:<name>
+    # Start from these weights: a .safetensors / torch state-dict file, a lightray run folder (its
+    # model/best.safetensors), or a hub name (timm:<name> or a torchvision model; needs the network).
+    pretrained: str = ""
+    head_warmup_epochs: float = 0.0  # with pretrained weights: train only the classifier head at first
     zero_init_residual: bool = True
     channels_last: bool = True
     compile: bool = False  # torch.compile, GPU only
@@ -201,7 +205,6 @@ class Config:
 
 # Allowed values, checked after every load and override.
 CHOICES: dict[str, tuple[str, ...]] = {
-    "model.arch": ("resnet_tiny", "resnet18", "resnet34", "resnet50"),
     "model.precision": ("auto", "fp32", "bf16", "fp16"),
     "model.compile_mode": ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
     "optim.name": ("sgd", "lars", "lamb"),
@@ -224,6 +227,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "optim.lamb_eps": (0.0, 1.0),
     "optim.lars_eps": (0.0, 1.0),
     "schedule.epochs": (1, 10000),
+    "model.head_warmup_epochs": (0.0, 10000),
     "schedule.warmup_epochs": (0.0, 10000),
     "schedule.warmup_start_factor": (0.0, 1.0),
     "schedule.final_lr_factor": (0.0, 1.0),
@@ -454,6 +458,10 @@ def validate(cfg: Config) -> None:
         if not (lo <= val <= hi):
             raise ConfigError(f"{key}: bad value {val!r}; expected a number in [{lo:g}, {hi:g}]")
     parse_workers(cfg.scaling.workers)
+    if cfg.model.arch not in ("resnet_tiny", "resnet18", "resnet34", "resnet50"):
+        from app.train.model import check_arch  # imports torchvision (and timm for other names): only then
+
+        check_arch(cfg.model.arch)
     phases = cfg.schedule.phases
     if not phases:
         raise ConfigError("schedule.phases: bad value []; expected at least one phase")

@@ -24,6 +24,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from app.config import Config, config_from_dict
 from app.data.ingest import IngestSpec
 from app.data.plan import rank_slice
+from app.export import ModelExporter
+from app.finetune import HeadWarmup
 from app.report.runlog import get_runlog
 from app.schedule import Schedule
 from app.train import device as dev
@@ -94,6 +96,7 @@ def train_loop_per_worker(config: dict) -> None:
     scaler = dev.make_grad_scaler(precision, device)
     ema = ModelEMA(model, cfg.optim.ema_decay) if cfg.optim.ema_decay > 0 else None
     loss_fn = build_loss(cfg.optim)
+    head_warmup = HeadWarmup(model, cfg.model.head_warmup_epochs, spec.train_size, cfg.model.pretrained)
     sched = Schedule(cfg.schedule, cfg.optim, spec.train_size)
 
     # --- resume --------------------------------------------------------------------------------
@@ -122,6 +125,7 @@ def train_loop_per_worker(config: dict) -> None:
         raise RuntimeError(f"checkpoint {resume.checkpoint} holds samples_seen={counters['samples_seen']} but the "
                            f"data stream was built for {resume.samples_seen}")
     counters["starts"] += 1
+    exporter = ModelExporter(run_dir, cfg, counters["best_top1"]) if rank == 0 else None
     counters["world_size"] = world
     report({"event": "start" if counters["starts"] == 1 else "restart", "samples_seen": counters["samples_seen"],
             "world_size": world, "checkpoint": resume.checkpoint, "skipped_checkpoints": resume.skipped,
@@ -202,6 +206,7 @@ def train_loop_per_worker(config: dict) -> None:
                     loss = loss_fn(forward(x), y)
                 optimizer.zero_grad(set_to_none=True)
                 scaler.scale(loss * loss_scale).backward()  # the scaler is a pass-through unless fp16
+                head_warmup.before_step(counters["samples_seen"])
                 clip_gradients(model, optimizer, cfg.optim, scaler)
                 scaler.step(optimizer)
                 scaler.update()
@@ -259,6 +264,9 @@ def train_loop_per_worker(config: dict) -> None:
             # --- end of epoch: validate, checkpoint -------------------------------------------------
             val = evaluate(ema.module if ema is not None else model, ray.train.get_dataset_shard("val"), device,
                            precision, cfg, spec.prefetch_batches)
+            if exporter is not None:  # before best_top1 moves: it exports when this validation improves on it
+                exporter.on_validation(ema.module if ema is not None else model, val, epoch + 1,
+                                       counters["samples_seen"])
             counters["best_top1"] = max(counters["best_top1"], val["val_top1"])
             metrics = dict(metrics, **val, epoch=epoch + 1, samples_seen=counters["samples_seen"],
                            step=counters["step"], restarts=counters["starts"] - 1, resizes=counters["resizes"],
@@ -278,6 +286,10 @@ def train_loop_per_worker(config: dict) -> None:
             break
     if sample_log is not None:
         sample_log.close()
+    if exporter is not None:  # the weights that were last validated, when the run ended on a validation
+        validated = "val_top1" in metrics and metrics.get("samples_seen") == counters["samples_seen"]
+        exporter.on_end(ema.module if ema is not None else model, metrics if validated else None,
+                        metrics.get("epoch", 0), counters["samples_seen"])
     report({"event": "unit", "unit": "comm", "message": comm.describe(), "stats": comm.stats()})
     if rank == 0:
         report({"event": "end", "samples_seen": counters["samples_seen"], "wall_s": time.time() - t_start})
