@@ -104,6 +104,14 @@ def test_head_warmup_steps_only_the_head_then_every_layer():
 
 
 # --- fine-tune beats scratch ------------------------------------------------------------------------------
+# Measured on this machine (2 seeds x 2 LRs): the source model reaches ~0.47 top-1 on ten classes; the
+# fine-tune 0.49-0.61 on the four-class task against 0.28-0.30 from scratch (chance 0.25).
+PRETRAIN_EPOCHS = 10
+FINETUNE_EPOCHS = 4
+FINETUNE_LR = 0.1
+MARGIN = 0.15
+
+
 def _load(root: pathlib.Path, split: str, classes: list[str], every: int = 1) -> tuple[np.ndarray, np.ndarray]:
     xs, ys = [], []
     for label, name in enumerate(classes):
@@ -144,17 +152,17 @@ def test_finetune_from_a_weights_file_beats_training_from_scratch(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small convolutions on a shared 2-core machine: threads only contend
     try:
-        root = generate_demo(tmp_path / "demo", num_classes=10, train_per_class=60, val_per_class=20, processes=2)
+        root = generate_demo(tmp_path / "demo", num_classes=10, train_per_class=100, val_per_class=20, processes=2)
         classes = sorted(p.name for p in (root / "train").iterdir())
         # The weights file: a model trained here on all ten classes, saved as a torch state dict.
         xs, ys = _load(root, "train", classes)
         torch.manual_seed(0)
         source = build_model(ModelConfig(arch="resnet_tiny", zero_init_residual=False), 10)
-        _train(source, xs, ys, epochs=PRETRAIN_EPOCHS, lr=0.4, seed=0)
+        _train(source, xs, ys, epochs=PRETRAIN_EPOCHS, lr=0.05, seed=0)
         torch.save(source.state_dict(), tmp_path / "source.pt")
-        # The new task: four classes (a new head), a third of their training images, a few epochs.
+        # The new task: four classes (a new head), a fifth of their training images, a few epochs.
         target = classes[6:]
-        xt, yt = _load(root, "train", target, every=3)
+        xt, yt = _load(root, "train", target, every=5)
         xv, yv = _load(root, "val", target)
         acc = {}
         for name, pretrained in (("scratch", ""), ("finetune", str(tmp_path / "source.pt"))):
@@ -166,9 +174,3 @@ def test_finetune_from_a_weights_file_beats_training_from_scratch(tmp_path):
         torch.set_num_threads(threads)
     (tmp_path / "acc.json").write_text(json.dumps(acc))
     assert acc["finetune"] >= acc["scratch"] + MARGIN, acc
-
-
-PRETRAIN_EPOCHS = 8
-FINETUNE_EPOCHS = 4
-FINETUNE_LR = 0.1
-MARGIN = 0.15
