@@ -5,6 +5,7 @@ weights file made here beating training from scratch on the same small budget (r
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -80,6 +81,17 @@ def test_missing_pretrained_file_exits_2_with_one_line():
     assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "model.pretrained: file /no/such/w.safetensors not found" in lines[0]
+
+
+def test_hub_name_without_network_is_a_clear_error():
+    code = ("from app.finetune import load_pretrained\nfrom app.train.model import build_model\n"
+            "from app.config import ModelConfig\n"
+            "load_pretrained(build_model(ModelConfig(arch='timm:resnet10t'), 4), 'timm:resnet10t')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})  # offline, whatever this machine can reach
+    assert proc.returncode != 0
+    assert "model.pretrained: could not fetch hub weights 'timm:resnet10t'" in proc.stderr
+    assert "needs the network" in proc.stderr
 
 
 def test_head_warmup_steps_only_the_head_then_every_layer():
