@@ -71,7 +71,10 @@ class EvalTransform:
     def normalise(self, batch: np.ndarray, device: torch.device | str = "cpu",
                   channels_last: bool = False) -> torch.Tensor:
         """uint8 NHWC batch -> normalised float NCHW on ``device`` (the training path's own function)."""
-        return dev.images_to_device(torch.from_numpy(np.ascontiguousarray(batch)), torch.device(device),
+        batch = np.ascontiguousarray(batch)
+        if not batch.flags.writeable:  # a view of a PIL image's buffer; torch wants to own writable memory
+            batch = batch.copy()
+        return dev.images_to_device(torch.from_numpy(batch), torch.device(device),
                                     channels_last, mean=self.mean, std=self.std)
 
     def __call__(self, src: str | bytes | pathlib.Path | Image.Image) -> torch.Tensor:
