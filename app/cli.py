@@ -21,6 +21,9 @@ examples:
   python app/run.py --resume                         continue the newest run in the storage
   python app/run.py --tune --space tune_spaces/demo.yaml --trials 8 --concurrent 2
   python app/run.py --report lightray_runs/demo-...  plots + report.md for a run or a tune experiment
+  python app/run.py eval RUN [--data PATH]           score the run's exported model (see eval --help)
+  python app/run.py predict RUN IMAGE|DIR... --top 3 classify images with it (see predict --help)
+  python app/run.py --model.pretrained=RUN|FILE --config finetune --data DIR   fine-tune from weights
 """
 
 
@@ -92,6 +95,12 @@ def config_from_args(args: argparse.Namespace, rest: list[str]) -> Config:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("eval", "predict"):  # subcommands on an exported model (no Ray)
+        from app.model_cli import COMMANDS
+
+        logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
+        return COMMANDS[argv[0]](argv[1:])
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -126,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         from app.train.runner import resolve_run, run_training
 
         resolve_run(cfg, args.resume)
+        if cfg.model.pretrained:  # a missing weights file is a usage error here, not a crash in every worker
+            from app.train.finetune import resolve_pretrained
+
+            resolve_pretrained(cfg.model.pretrained)
         import yaml
 
         print("resolved config:\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False), flush=True)

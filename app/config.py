@@ -16,6 +16,7 @@ our own rather than pydantic's lax mode.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 import pathlib
@@ -200,7 +201,13 @@ class DataConfig:
 @_section
 @dataclass
 class ModelConfig:
-    arch: Annotated[Str, OneOf("resnet_tiny", "resnet18", "resnet34", "resnet50")] = "resnet_tiny"
+    # resnet_tiny | any torchvision classification model (resnet50, convnext_tiny) | timm:<name>; checked by check_arch
+    arch: Str = "resnet_tiny"
+    # Start from these weights: a .safetensors / torch state-dict file, a lightray run folder (its
+    # model/best.safetensors), or a hub name (timm:<name> or a torchvision model; needs the network).
+    pretrained: Str = ""
+    # with pretrained weights: train only the classifier head for this many epochs first
+    head_warmup_epochs: Annotated[Float, Range(0.0, 10000)] = 0.0
     zero_init_residual: Bool = True
     channels_last: Bool = True
     compile: Bool = False  # torch.compile, GPU only
@@ -517,6 +524,48 @@ def key_type(dotted: str) -> Any:
     return tp
 
 
+# --- architecture names: checked here so that a bad name fails at load time, before any worker starts ------
+ARCHS = ("resnet_tiny", "resnet18", "resnet34", "resnet50")  # the ones the recipes use; any other name works too
+TIMM_PREFIX = "timm:"
+
+
+@functools.lru_cache(maxsize=1)
+def torchvision_archs() -> tuple[str, ...]:
+    """torchvision's classification models (``resnet18``, ``convnext_tiny``, ``vit_b_16``, ...)."""
+    import torchvision  # only when a name is not one of the built-in ones: config stays light to import
+
+    return tuple(torchvision.models.list_models(module=torchvision.models))
+
+
+@functools.lru_cache(maxsize=1)
+def timm_archs() -> tuple[str, ...]:
+    import timm  # a second or two to import: only when a name is not one of the built-in ones
+
+    return tuple(timm.list_models())
+
+
+def check_arch(arch: str) -> str:
+    """``arch``'s family (``lightray``, ``torchvision`` or ``timm``); ConfigError with close matches otherwise."""
+    if arch == "resnet_tiny":
+        return "lightray"
+    if arch.startswith(TIMM_PREFIX):
+        name = arch[len(TIMM_PREFIX):]
+        if name in timm_archs():
+            return "timm"
+        close = [TIMM_PREFIX + m for m in difflib.get_close_matches(name, timm_archs(), n=5, cutoff=0.6)]
+    else:
+        if arch in torchvision_archs():
+            return "torchvision"
+        names = ("resnet_tiny", *torchvision_archs(), *(TIMM_PREFIX + m for m in timm_archs()))
+        close = difflib.get_close_matches(arch, names, n=5, cutoff=0.6)
+        # "convnext_tinyy" is close to timm's name too: match the bare name against timm's list as well.
+        close += [TIMM_PREFIX + m for m in difflib.get_close_matches(arch, timm_archs(), n=3, cutoff=0.6)
+                  if TIMM_PREFIX + m not in close and m not in close]
+    hint = f"close matches: {', '.join(close[:6])}" if close else "no close match"
+    raise ConfigError(f"model.arch: bad value {arch!r}; {hint} (allowed: {', '.join(ARCHS)}, any torchvision "
+                      f"classification model, or timm:<name> from timm.list_models())")
+
+
 # --- rules that span several keys (each value on its own already passed its field's checks) ------------------
 def _check_phases(sched: ScheduleConfig) -> None:
     phases = sched.phases
@@ -548,6 +597,8 @@ def _check_phases(sched: ScheduleConfig) -> None:
 def check_config(cfg: Config) -> None:
     """The checks that no single field expresses: worker range, phases, prices and accuracy targets."""
     parse_workers(cfg.scaling.workers)
+    if cfg.model.arch not in ARCHS:
+        check_arch(cfg.model.arch)
     _check_phases(cfg.schedule)
     cfg.cost.check_prices()
     for key in ("targets", "top5_targets"):

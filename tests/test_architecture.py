@@ -15,7 +15,8 @@ ALLOWED = {
     "schedule": {"config"},
     "data": {"config", "storage"},
     "report": {"config", "storage", "provenance"},
-    "train": {"config", "storage", "schedule", "data", "report"},
+    "train": {"config", "storage", "provenance", "schedule", "data", "report"},
+    "inference": {"config", "storage", "data", "train"},
     "tune": {"config", "storage", "data", "report", "train"},
 }
 

@@ -199,3 +199,14 @@ def images_to_device(
     x = (x - m) / s
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     return x.contiguous(memory_format=fmt)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The plain module under DDP (``.module``) and/or torch.compile (``._orig_mod``) wrappers."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            return model

@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 from app.config import OptimConfig
-from app.train.device import unit_log
-from app.train.model import unwrap_model
+from app.train.device import unit_log, unwrap_model
 
 
 class ModelEMA:

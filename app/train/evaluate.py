@@ -21,6 +21,12 @@ def evaluate(model: nn.Module, shard, device: torch.device, precision: str, cfg:
     """Each rank scores its part of the split; counts (not means) are all-reduced, so the result is
     exactly the full split's accuracy whatever the number of workers or their share."""
     was_training = model.training
+    if dist.is_available() and dist.is_initialized():
+        # BN running stats drift apart per rank after the last step (each saw its own batch; DDP re-syncs them
+        # only at the next forward): score every rank's share with rank 0's, the model that is checkpointed
+        # and exported, so the reported accuracy is that model's.
+        for buf in model.buffers():
+            dist.broadcast(buf, 0)
     model.eval()
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # n, top1, top5, loss sum

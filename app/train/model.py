@@ -1,4 +1,5 @@
-"""Models: torchvision ResNets for ImageNet and a small ResNet for the CPU demo.
+"""Models: any torchvision classification model, any timm model (``timm:<name>``), and a small ResNet
+for the CPU demo.
 
 Two speed-up units live here: ``zero_init_residual`` (Goyal et al. 2017, used by fast.ai's DAWNBench
 run: the last BN gamma of every residual block starts at 0, so each block starts as the identity and
@@ -13,10 +14,8 @@ import torchvision
 from torch import nn
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
-from app.config import ModelConfig
-from app.train.device import unit_log
-
-ARCHS = ("resnet_tiny", "resnet18", "resnet34", "resnet50")
+from app.config import TIMM_PREFIX, ModelConfig, check_arch
+from app.train.device import unit_log, unwrap_model  # noqa: F401  (re-exported)
 
 
 class TinyResNet(nn.Module):
@@ -72,26 +71,54 @@ def residual_last_bns(model: nn.Module) -> list[nn.BatchNorm2d]:
     return out
 
 
+def _create(arch: str, num_classes: int, zero_init_residual: bool) -> nn.Module:
+    family = check_arch(arch)
+    if family == "lightray":
+        return TinyResNet(num_classes)
+    if family == "torchvision":
+        # zero_init_residual is applied by build_model for every arch the same way, so it is not passed here.
+        return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+    import timm
+
+    name = arch[len(TIMM_PREFIX):]
+    try:  # timm's ResNets zero their last BN by default; follow model.zero_init_residual instead
+        return timm.create_model(name, pretrained=False, num_classes=num_classes, zero_init_last=zero_init_residual)
+    except TypeError:  # models without that argument
+        return timm.create_model(name, pretrained=False, num_classes=num_classes)
+
+
+def _zero_init(model: nn.Module, arch: str, on: bool) -> None:
+    bns = residual_last_bns(model)
+    # timm's residual blocks (ResNet, RegNet, ...) each know their last norm layer: zero_init_last().
+    timm_blocks = [m for m in model.modules() if callable(getattr(m, "zero_init_last", None))]
+    if not bns and not timm_blocks:
+        unit_log("zero_init_residual", f"not applicable to {arch}: no residual blocks with a known last BN",
+                 blocks=0)
+        return
+    if not on:
+        unit_log("zero_init_residual", "off (model.zero_init_residual=false): BN gammas start at 1", blocks=0)
+        return
+    for bn in bns:
+        nn.init.zeros_(bn.weight)
+    for block in timm_blocks:
+        block.zero_init_last()
+    n = len(bns) + len(timm_blocks)
+    unit_log("zero_init_residual", f"zeroed the last BN gamma of {n} residual blocks", blocks=n)
+
+
 def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
-    """The network named by ``cfg.arch`` with ``num_classes`` outputs, randomly initialised (no weights)."""
+    """The network named by ``cfg.arch`` with ``num_classes`` outputs: randomly initialised, or with the
+    weights named by ``cfg.pretrained`` (the head re-initialised when the class count differs)."""
     if num_classes < 1:
         raise ValueError(f"num_classes: bad value {num_classes}; expected at least 1")
-    if cfg.arch == "resnet_tiny":
-        model: nn.Module = TinyResNet(num_classes)
-    elif cfg.arch in ("resnet18", "resnet34", "resnet50"):
-        # zero_init_residual is applied below for every arch, the same way, so pass False here.
-        model = getattr(torchvision.models, cfg.arch)(weights=None, num_classes=num_classes)
-    else:
-        raise ValueError(f"model.arch: bad value {cfg.arch!r}; allowed: {', '.join(ARCHS)}")
-    bns = residual_last_bns(model)
-    if cfg.zero_init_residual:
-        for bn in bns:
-            nn.init.zeros_(bn.weight)
-        unit_log("zero_init_residual", f"zeroed the last BN gamma of {len(bns)} residual blocks", blocks=len(bns))
-    else:
-        unit_log("zero_init_residual", "off (model.zero_init_residual=false): BN gammas start at 1", blocks=0)
+    model = _create(cfg.arch, num_classes, cfg.zero_init_residual)
+    _zero_init(model, cfg.arch, cfg.zero_init_residual)
     n_params = sum(p.numel() for p in model.parameters())
     unit_log("model", f"{cfg.arch}: {n_params / 1e6:.2f}M parameters, {num_classes} classes", params=n_params)
+    if getattr(cfg, "pretrained", ""):
+        from app.train.finetune import load_pretrained
+
+        load_pretrained(model, cfg.pretrained, cfg.arch)
     return model
 
 
@@ -108,14 +135,3 @@ def to_device(model: nn.Module, device: torch.device, cfg: ModelConfig) -> nn.Mo
     else:
         unit_log("channels_last", "off (model.channels_last=false): contiguous NCHW", enabled=False)
     return model
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The plain module under DDP (``.module``) and/or torch.compile (``._orig_mod``) wrappers."""
-    while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
-        else:
-            return model

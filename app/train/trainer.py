@@ -35,6 +35,8 @@ from app.train import device as dev
 from app.train.comm import CommHook
 from app.train.ema import ModelEMA
 from app.train.evaluate import evaluate as evaluate_split
+from app.train.export import ModelExporter
+from app.train.finetune import HeadWarmup
 from app.train.fusion import choose_bucket_mb
 from app.train.model import build_model, to_device
 from app.train.optim import build_loss, build_optimizer, clip_gradients, set_lr_momentum
@@ -124,6 +126,8 @@ class Trainer:
         self.scaler = dev.make_grad_scaler(self.precision, self.device)
         self.ema = ModelEMA(self.model, cfg.optim.ema_decay) if cfg.optim.ema_decay > 0 else None
         self.loss_fn = build_loss(cfg.optim)
+        self.head_warmup = HeadWarmup(self.model, cfg.model.head_warmup_epochs, spec.train_size, cfg.model.pretrained)
+        self.exporter: ModelExporter | None = None  # rank 0's, made at restore (it needs the best top-1 so far)
         self.sched = Schedule(cfg.schedule, cfg.optim, spec.train_size)
         self.counters = Counters(world_size=world)
         self.clock = time.time()  # start of the time not yet added to the counters' seconds
@@ -208,6 +212,8 @@ class Trainer:
                                f"data stream was built for {resume.samples_seen}")
         c.starts += 1
         c.world_size = self.world
+        if self.rank == 0:
+            self.exporter = ModelExporter(self.run_dir, self.cfg, c.best_top1)
         self.report({"event": "start" if c.starts == 1 else "restart", "samples_seen": c.samples_seen,
                      "world_size": self.world, "checkpoint": resume.checkpoint, "skipped_checkpoints": resume.skipped,
                      "total_samples": self.sched.total_samples, "ckpt_time": resume.time})
@@ -289,6 +295,7 @@ class Trainer:
             loss = self.loss_fn(self.forward(x), y)
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(loss * run.loss_scale).backward()  # the scaler is a pass-through unless fp16
+        self.head_warmup.before_step(c.samples_seen)
         clip_gradients(self.model, self.optimizer, self.cfg.optim, self.scaler)
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -358,9 +365,14 @@ class Trainer:
         return open(os.path.join(self.run_dir, "sample_log", name), "a")
 
     # --- evaluation and checkpoints ----------------------------------------------------------------
+    @property
+    def validated_model(self) -> torch.nn.Module:
+        """The weights that validation scores and the export writes: the EMA copy when EMA is on."""
+        return self.ema.module if self.ema is not None else self.model
+
     def evaluate(self) -> dict[str, float]:
         """Top-1/top-5 of the EMA weights (else the live ones) over the whole validation split."""
-        return evaluate_split(self.ema.module if self.ema is not None else self.model,
+        return evaluate_split(self.validated_model,
                               ray.train.get_dataset_shard("val"), self.device, self.precision, self.cfg,
                               self.spec.prefetch_batches)
 
@@ -368,6 +380,8 @@ class Trainer:
         """Validate, report the epoch's line and checkpoint."""
         val = self.evaluate()
         c = self.counters
+        if self.exporter is not None:  # before best_top1 moves: it exports when this validation improves on it
+            self.exporter.on_validation(self.validated_model, val, epoch + 1, c.samples_seen)
         c.best_top1 = max(c.best_top1, val["val_top1"])
         self.metrics = dict(self.metrics, **val, epoch=epoch + 1, samples_seen=c.samples_seen, step=c.step,
                             restarts=c.starts - 1, resizes=c.resizes, epoch_progress=float(epoch + 1),
@@ -422,6 +436,11 @@ class Trainer:
     def _finish(self) -> None:
         if self.sample_log is not None:
             self.sample_log.close()
+        if self.exporter is not None:  # the weights that were last validated, when the run ended on a validation
+            m = self.metrics
+            validated = "val_top1" in m and m.get("samples_seen") == self.counters.samples_seen
+            self.exporter.on_end(self.validated_model, m if validated else None, m.get("epoch", 0),
+                                 self.counters.samples_seen)
         self.report({"event": "unit", "unit": "comm", "message": self.comm.describe(), "stats": self.comm.stats()})
         if self.rank == 0:
             self.report({"event": "end", "samples_seen": self.counters.samples_seen,

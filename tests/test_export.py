@@ -1,0 +1,134 @@
+"""Export: a real smoke run leaves <run>/model/{best,final}.safetensors + model.json; the exporter's rules
+(best only on improvement, a failed write never stops training); export to s3:// through a local S3 server."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from app.config import ModelConfig, load_config
+from app.train.export import ModelExporter, read_model_json, state_from_bytes, write_weights
+from app.train.model import build_model
+from tests.exported_run import TIMM_ARCH, exported_run
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, shared_cache) -> pathlib.Path:
+    return exported_run(tmp_path_factory, shared_cache)
+
+
+def test_smoke_run_exports_best_final_and_model_json(run_dir):
+    folder = run_dir / "model"
+    info = json.loads((folder / "model.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert info["arch"] == TIMM_ARCH and info["num_classes"] == 10
+    assert info["classes"] == json.loads((run_dir / "classes.json").read_text())
+    assert info["eval_resolution"] == 48 and info["crop_ratio"] == 0.875 and info["val_mode"] == "center"
+    assert info["normalize"]["mean"] == [0.485, 0.456, 0.406] and info["ema"] is True
+    assert info["recipe"] == "smoke" and info["git_revision"]
+    # The figures recorded with each file are the run's own: final = the last validation, best = the best one.
+    assert info["weights"]["final"]["val_top1"] == summary["final_top1"]
+    assert info["weights"]["final"]["val_top5"] == summary["final_top5"]
+    assert info["weights"]["best"]["val_top1"] == summary["best_top1"]
+    assert info["weights"]["final"]["epoch"] == 2
+    model = build_model(ModelConfig(arch=TIMM_ARCH), 10)
+    for which in ("best", "final"):
+        state = load_file(str(folder / f"{which}.safetensors"))  # plain safetensors: no pickle involved
+        assert set(state) == set(model.state_dict())
+        model.load_state_dict(state, strict=True)
+
+
+def test_timm_arch_trains_through_a_smoke_run(run_dir):
+    lines = [json.loads(s) for s in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in lines if "event" not in r and "val_top1" not in r]
+    assert {r["world_size"] for r in train} == {2} and {r["resolution"] for r in train} == {32, 48}
+    assert min(r["loss"] for r in train[-3:]) < train[0]["loss"], [r["loss"] for r in train]
+    units = {r["unit"]: r for r in lines if r.get("event") == "unit"}
+    # Units that do not apply to this model say so instead of silently doing nothing.
+    assert "not applicable" in units["zero_init_residual"]["message"]
+    assert units["model"]["message"].startswith(TIMM_ARCH)
+
+
+def _tiny_run_dir(tmp_path: pathlib.Path) -> pathlib.Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "classes.json").write_text(json.dumps([f"c{i}" for i in range(10)]))
+    (run / "data.json").write_text(json.dumps({"val_tier": 48}))
+    return run
+
+
+def test_best_is_rewritten_only_when_top1_improves(tmp_path):
+    cfg = load_config("smoke")
+    run = _tiny_run_dir(tmp_path)
+    exp = ModelExporter(str(run), cfg)
+    model = build_model(cfg.model, 10)
+    assert exp.on_validation(model, {"val_top1": 0.5, "val_top5": 0.9}, 1, 100)
+    first = load_file(str(run / "model" / "best.safetensors"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert not exp.on_validation(model, {"val_top1": 0.4, "val_top5": 0.9}, 2, 200)
+    kept = load_file(str(run / "model" / "best.safetensors"))
+    assert all(torch.equal(first[k], kept[k]) for k in first)
+    assert exp.on_validation(model, {"val_top1": 0.6, "val_top5": 0.95}, 3, 300)
+    best = load_file(str(run / "model" / "best.safetensors"))
+    assert all(torch.equal(best[k], v) for k, v in model.state_dict().items())
+    assert read_model_json(str(run / "model"))["weights"]["best"]["val_top1"] == 0.6
+    # A restarted worker group (resume) keeps the best it had: a worse validation does not replace it.
+    again = ModelExporter(str(run), cfg, best_top1=0.6)
+    assert not again.on_validation(model, {"val_top1": 0.55}, 4, 400)
+    assert again.on_end(model, {"val_top1": 0.55, "val_top5": 0.9}, 4, 400)
+    weights = read_model_json(str(run / "model"))["weights"]
+    assert weights["best"]["val_top1"] == 0.6 and weights["final"]["val_top1"] == 0.55
+
+
+def test_failed_export_write_is_logged_and_training_goes_on(tmp_path, caplog):
+    cfg = load_config("smoke")
+    run = _tiny_run_dir(tmp_path)
+    (run / "model").write_text("a file where the model folder should be")  # every write below fails
+    exp = ModelExporter(str(run), cfg)
+    model = build_model(cfg.model, 10)
+    with caplog.at_level(logging.WARNING, logger="lightray.export"):
+        exp.on_validation(model, {"val_top1": 0.5}, 1, 100)
+        assert exp.on_end(model, None, 1, 100) is False
+    assert "could not write best weights" in caplog.text and "training goes on" in caplog.text
+
+
+def test_export_writes_to_s3(tmp_path, monkeypatch):
+    moto_server = pytest.importorskip("moto.server")
+    import pyarrow.fs as pafs
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    server = moto_server.ThreadedMotoServer(port=0)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        query = f"endpoint_override={host}:{port}&scheme=http"
+        fs = pafs.S3FileSystem(endpoint_override=f"{host}:{port}", scheme="http", allow_bucket_creation=True)
+        fs.create_dir("runs")
+        try:  # the environment's own check: can this pyarrow write any object to this moto at all?
+            with fs.open_output_stream("runs/probe") as f:
+                f.write(b"probe")
+        except OSError as exc:
+            pytest.skip(f"pyarrow {pafs.__name__} cannot write to this moto server ({str(exc)[:120]})")
+        cfg = load_config("smoke")
+        model = build_model(cfg.model, 3)
+        from app import storage
+        from app.train.export import describe
+
+        info = describe(cfg, ["a", "b", "c"], 48)
+        uri = write_weights(f"s3://runs/r1?{query}", "final", model.state_dict(), info, {"val_top1": 0.25})
+        assert uri == f"s3://runs/r1/model/final.safetensors?{query}"
+        state = state_from_bytes(storage.read_bytes(uri))
+        assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+        on_s3 = read_model_json(f"s3://runs/r1/model?{query}")
+        assert on_s3["weights"]["final"]["val_top1"] == 0.25 and on_s3["classes"] == ["a", "b", "c"]
+    finally:
+        server.stop()
