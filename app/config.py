@@ -139,6 +139,13 @@ class CommConfig:
     bucket_mb: float = 0.0  # 0 = adaptive fusion measures it
     powersgd_rank: int = 2
     resize_dense_steps: int = 1  # dense steps after a resume with a different worker set (residuals reset)
+    # Deep Gradient Compression units (app/train/dgc.py), for topk / hierarchical_topk:
+    momentum_correction: bool = False  # the hook accumulates velocity; the SGD optimizer then runs momentum 0
+    local_clip: float = 0.0  # clip each local bucket gradient to local_clip / sqrt(world) before accumulating; 0 = off
+    momentum_masking: bool = False  # zero the velocity where entries were sent (with momentum_correction)
+    sparsity_warmup_epochs: float = 0.0  # ratio ramps exponentially from sparsity_warmup_start to ratio; 0 = off
+    sparsity_warmup_start: float = 0.25
+    selection: str = "exact"  # exact | sampled (threshold from a random sample, exact top-k as fallback)
 
 
 @dataclass
@@ -209,6 +216,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "scaling.use_gpu": ("auto", "true", "false"),
     "scaling.spot_watcher": ("auto", "on", "off"),
     "comm.mode": ("dense", "fp16", "bf16", "topk", "hierarchical_topk", "powersgd"),
+    "comm.selection": ("exact", "sampled"),
     "data.val_mode": ("center", "rect"),
 }
 # (low, high, inclusive-low): numbers must lie in [low, high].
@@ -234,6 +242,9 @@ RANGES: dict[str, tuple[float, float]] = {
     "comm.bucket_mb": (0.0, 4096),
     "comm.powersgd_rank": (1, 1024),
     "comm.resize_dense_steps": (0, 10**6),
+    "comm.local_clip": (0.0, 1e6),
+    "comm.sparsity_warmup_epochs": (0.0, 10000),
+    "comm.sparsity_warmup_start": (1e-6, 1.0),
     "data.jpeg_quality": (1, 100),
     "data.memory_budget_mb": (0, 10**7),
     "data.shard_rows": (1, 10**7),

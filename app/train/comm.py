@@ -55,6 +55,9 @@ import torch
 import torch.distributed as dist
 
 from app.config import CommConfig
+from app.train.compress import SelectionStats, k_for, select
+from app.train.device import unit_log
+from app.train.dgc import accumulate_velocity, clip_local, warmup_ratio
 from app.train.topology import Topology, build_groups
 
 Layout = list[tuple[str, int]]  # (parameter name, numel) in bucket order
@@ -72,6 +75,74 @@ def allgather_bytes(payload: int, world: int) -> int:
     return 0 if world <= 1 else (world - 1) * payload
 
 
+class SlotStore:
+    """One kind of per-parameter hook state (residuals, velocities), robust to DDP's bucket rebuild.
+
+    The canonical form is per parameter name; while a bucket's layout stays the same its state is one
+    flat fp32 tensor (bucket index -> (layout, flat)). A bucket whose layout differs from the cached
+    one (DDP rebuilt its buckets) sends every flat tensor back to per-parameter form first, so state
+    is never applied to the wrong parameter.
+    """
+
+    def __init__(self) -> None:
+        self._flat: dict[int, tuple[Layout, torch.Tensor]] = {}
+        self._pending: dict[str, torch.Tensor] = {}
+
+    def get(self, index: int, layout: Layout, n: int, device: torch.device,
+            create: bool = True) -> torch.Tensor | None:
+        """The flat state of bucket ``index`` (zeros where none is stored); None if ``create`` is off
+        and nothing is stored for any of its parameters."""
+        entry = self._flat.get(index)
+        if entry is not None and entry[0] == layout and entry[1].numel() == n:
+            return entry[1]
+        if entry is not None:
+            self._flush()
+        if not create and not any(name in self._pending for name, _ in layout):
+            return None
+        parts = []
+        for name, numel in layout:
+            r = self._pending.pop(name, None)
+            parts.append(r.reshape(-1).to(device=device, dtype=torch.float32) if r is not None and r.numel() == numel
+                         else torch.zeros(numel, dtype=torch.float32, device=device))
+        flat = torch.cat(parts) if parts else torch.zeros(n, dtype=torch.float32, device=device)
+        self._flat[index] = (list(layout), flat)
+        return flat
+
+    def pop(self, index: int, layout: Layout, n: int, device: torch.device) -> torch.Tensor | None:
+        """Take bucket ``index``'s state out of the store (None if there is none)."""
+        t = self.get(index, layout, n, device, create=False)
+        if t is not None:
+            del self._flat[index]
+        return t
+
+    def _flush(self) -> None:
+        for layout, flat in self._flat.values():
+            for (name, _), piece in zip(layout, flat.split([nm for _, nm in layout])):
+                self._pending[name] = piece.clone()
+        self._flat.clear()
+
+    def per_param(self) -> dict[str, torch.Tensor]:
+        out = {k: v.detach().cpu().clone() for k, v in self._pending.items()}
+        for layout, flat in self._flat.values():
+            for (name, _), piece in zip(layout, flat.split([nm for _, nm in layout])):
+                out[name] = piece.detach().cpu().clone()
+        return out
+
+    def load(self, per_param: dict[str, torch.Tensor]) -> None:
+        self.clear()
+        self._pending = {k: v.detach().clone() for k, v in per_param.items()}
+
+    def clear(self) -> None:
+        self._flat.clear()
+        self._pending.clear()
+
+    def __len__(self) -> int:
+        return len(self._pending) + sum(len(layout) for layout, _ in self._flat.values())
+
+
+SLOTS = ("residual", "momentum", "dense_momentum")
+
+
 def _done(t: torch.Tensor) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(t)
@@ -81,7 +152,8 @@ def _done(t: torch.Tensor) -> torch.futures.Future:
 class CommHook:
     """The DDP communication hook of one worker; see the module docstring for the modes."""
 
-    def __init__(self, cfg: CommConfig, topology: Topology, device: torch.device):
+    def __init__(self, cfg: CommConfig, topology: Topology, device: torch.device, optimizer: str = "sgd",
+                 nesterov: bool = False):
         self.cfg = cfg
         self.topology = topology
         self.device = torch.device(device)
@@ -96,8 +168,11 @@ class CommHook:
         self.dense_steps = 0
         self._force_dense = 0
         self._step_was_dense = False
-        self._flat: dict[int, tuple[Layout, torch.Tensor]] = {}
-        self._pending: dict[str, torch.Tensor] = {}
+        # residual: undelivered (velocity or gradient) of error feedback; momentum: local velocity u of
+        # momentum correction on compressed steps; dense_momentum: the global velocity kept on dense
+        # steps under momentum correction (identical on every rank), handed to ``momentum`` when
+        # compression starts.
+        self._slots = {name: SlotStore() for name in SLOTS}
         self._names_by_ptr: dict[int, str] = {}
         self._notes: list[str] = []
         self._prepared = False
@@ -111,6 +186,21 @@ class CommHook:
         self._need_agree = True  # agree on step / forced dense steps at the first bucket (see _agree)
         self._psgd: Any = None
         self._psgd_pending: dict | None = None
+        # DGC units (app.train.dgc). Momentum correction replaces the optimizer's momentum, which only
+        # works for plain SGD (LARS/LAMB scale the update per layer after their own momentum).
+        sparse = cfg.mode in ("topk", "hierarchical_topk")
+        self.momentum_correction = cfg.momentum_correction and sparse and optimizer == "sgd"
+        self.nesterov = nesterov
+        self.momentum = 0.0  # the schedule's momentum for this step (optimizer_momentum)
+        self.epochs_done = 0.0  # epochs of samples seen, for the sparsity warm-up (begin_step)
+        self.ratio_now = cfg.ratio
+        self.clipped = 0  # bucket-steps whose local gradient was clipped
+        self.clip_checks = 0
+        self.masked_entries = 0  # velocity entries zeroed by momentum-factor masking
+        self.selection = SelectionStats()
+        self._sel_gen = torch.Generator(device=self.device).manual_seed(1234 + topology.rank)
+        self.bucket_timings: list[tuple[int, float, float]] | None = None  # (bucket, hook call, future done)
+        self._unit_events(optimizer, sparse)
         if self.mode == "powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
@@ -120,6 +210,49 @@ class CommHook:
                 process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
                 start_powerSGD_iter=max(2, cfg.warmup_steps), use_error_feedback=cfg.error_feedback,
                 warm_start=True, random_seed=0)
+
+    def _unit_events(self, optimizer: str, sparse: bool) -> None:
+        """One unit event per DGC unit at set-up: on, off, or not applicable to this mode/optimizer."""
+        c = self.cfg
+        na = None if sparse else f"not applicable to comm.mode={c.mode}"
+        if self.momentum_correction:
+            mc = (f"on: the hook accumulates velocity (momentum from the schedule, nesterov={self.nesterov}); "
+                  "the SGD optimizer runs with momentum 0")
+        elif c.momentum_correction and sparse:
+            mc = f"off: optimizer {optimizer!r} keeps its own momentum (momentum correction needs sgd)"
+        else:
+            mc = na or "off (comm.momentum_correction=false)"
+        unit_log("momentum_correction", mc, on=self.momentum_correction)
+        unit_log("local_clip", na or (f"on: local bucket gradients clipped to {c.local_clip:g}/sqrt(world)"
+                                      if c.local_clip > 0 else "off (comm.local_clip=0)"),
+                 on=bool(sparse and c.local_clip > 0))
+        masking = sparse and c.momentum_masking and self.momentum_correction
+        unit_log("momentum_masking", na or ("on: velocity zeroed where entries were sent" if masking else
+                                            "off (needs comm.momentum_masking and momentum correction)"), on=masking)
+        warm = sparse and c.sparsity_warmup_epochs > 0 and c.sparsity_warmup_start > c.ratio
+        unit_log("sparsity_warmup", na or (f"on: ratio {c.sparsity_warmup_start:g} -> {c.ratio:g} exponentially "
+                                           f"over {c.sparsity_warmup_epochs:g} epoch(s) of samples seen" if warm
+                                           else "off (comm.sparsity_warmup_epochs=0 or start <= ratio)"), on=warm)
+        unit_log("topk_selection", na or f"{c.selection} top-k", method=c.selection)
+
+    def optimizer_momentum(self, momentum: float) -> float:
+        """Record the schedule's momentum for this step; return the momentum the optimizer should use.
+
+        With momentum correction the hook applies momentum itself, on every step (dense warm-up steps
+        keep a global velocity, compressed steps each worker's local one), and returns the averaged
+        velocity: the optimizer must then run plain SGD (momentum 0), or momentum would be applied twice.
+        Returning 0 on every step, not only on compressed ones, keeps the optimizer's own momentum
+        buffer empty, so no stale buffer resurfaces when steps switch between dense and compressed.
+        Weight decay stays in the optimizer and so acts on the weights without momentum.
+        """
+        self.momentum = float(momentum)
+        return 0.0 if self.momentum_correction else float(momentum)
+
+    def begin_step(self, epochs_done: float) -> None:
+        """Tell the hook how many epochs of samples have been seen (drives the sparsity warm-up)."""
+        self.epochs_done = float(epochs_done)
+        c = self.cfg
+        self.ratio_now = warmup_ratio(c.ratio, c.sparsity_warmup_start, c.sparsity_warmup_epochs, self.epochs_done)
 
     # --- set-up ------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -241,19 +374,44 @@ class CommHook:
         self._step_was_dense = False
         if self._effective == "identity":
             self._step_was_dense = True
-            return buf if sync else _done(buf)
+            out = self._dense_velocity(buf, layout, index) if self.momentum_correction else buf
+            return out if sync else _done(out)
         if self._dense_now() or self._effective == "dense":
             self._step_was_dense = True
-            return self._dense(buf, torch.float32 if buf.dtype == torch.float32 else buf.dtype, sync)
+            post = (lambda t: self._dense_velocity(t, layout, index)) if self.momentum_correction else None
+            return self._dense(buf, torch.float32 if buf.dtype == torch.float32 else buf.dtype, sync, post)
         if self.mode in ("fp16", "bf16"):
             return self._dense(buf, torch.float16 if self.mode == "fp16" else torch.bfloat16, sync)
         if self._effective == "topk":
-            out = self._topk(buf, layout, index)
-        else:
-            out = self._hierarchical(buf, layout, index)
-        return out if sync else _done(out)
+            return self._topk(buf, layout, index, sync)
+        return self._hierarchical(buf, layout, index, sync)
 
-    def _dense(self, buf: torch.Tensor, dtype: torch.dtype, sync: bool) -> torch.Tensor | torch.futures.Future:
+    def _dense_velocity(self, mean: torch.Tensor, layout: Layout, index: int) -> torch.Tensor:
+        """Momentum correction on a dense step: the global velocity from the averaged gradient.
+
+        Every rank holds the same velocity (it is built from the same mean), so the first compressed
+        step can hand it to each worker's local velocity without communication (``_local_velocity``).
+        """
+        u = self._slots["dense_momentum"].get(index, layout, mean.numel(), mean.device)
+        return accumulate_velocity(u, mean.float(), self.momentum, self.nesterov).to(mean.dtype)
+
+    def _local_velocity(self, index: int, layout: Layout, n: int, device: torch.device,
+                        scale: float) -> torch.Tensor:
+        """This worker's velocity for a compressed step; on the first one it starts from the dense steps'
+        global velocity times ``scale`` (chosen so that the workers' contributions average to it)."""
+        store = self._slots["momentum"]
+        u = store.get(index, layout, n, device, create=False)
+        if u is not None:
+            return u
+        u = store.get(index, layout, n, device)
+        assert u is not None
+        glob = self._slots["dense_momentum"].pop(index, layout, n, device)
+        if glob is not None:
+            u.copy_(glob).mul_(scale)
+        return u
+
+    def _dense(self, buf: torch.Tensor, dtype: torch.dtype, sync: bool,
+               post: Any = None) -> torch.Tensor | torch.futures.Future:
         world = self.world_size
         # Divide first (as torch's fp16 hook does) so half-precision sums cannot overflow.
         send = buf.div(world) if dtype == buf.dtype else buf.to(dtype).div_(world)
@@ -263,11 +421,14 @@ class CommHook:
             self.bytes_inter_node += nbytes
         if sync:
             dist.all_reduce(send)
-            return send.to(buf.dtype)
+            out = send.to(buf.dtype)
+            return post(out) if post is not None else out
         fut = dist.all_reduce(send, async_op=True).get_future()
 
         def finish(f: torch.futures.Future) -> torch.Tensor:
             res = f.value()[0]
+            if post is not None:
+                return post(res.to(buf.dtype))
             if res.dtype != buf.dtype:
                 buf.copy_(res)
                 return buf
@@ -275,16 +436,46 @@ class CommHook:
 
         return fut.then(finish)
 
-    def _sparsify(self, acc: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-        """Pack the top-k of ``acc`` as [values, indices-as-float-bits]; updates ``residual`` in place."""
+    def _accumulate(self, g: torch.Tensor, index: int, layout: Layout, n: int, lo: int, hi: int,
+                    velocity_scale: float) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """DGC's accumulation for entries [lo, hi) of a bucket: (what to sparsify, residual, velocity).
+
+        ``g`` is the local gradient of those entries (flat topk: the worker's bucket; hierarchical: its
+        node's sum over its chunk). Clipping, then velocity (momentum correction), then the residual.
+        """
+        c = self.cfg
+        if c.local_clip > 0:
+            self.clip_checks += 1
+            g, was = clip_local(g, c.local_clip, self.world_size)
+            self.clipped += int(was)
+        u = None
+        acc = g
+        if self.momentum_correction:
+            u = self._local_velocity(index, layout, n, g.device, velocity_scale)[lo:hi]
+            acc = accumulate_velocity(u, g, self.momentum, self.nesterov)
+        residual = None
+        if c.error_feedback:
+            residual = self._residual(index, layout, n, g.device)[lo:hi]
+            acc = acc + residual
+        return acc, residual, u
+
+    def _sparsify(self, acc: torch.Tensor, residual: torch.Tensor | None,
+                  velocity: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        """Pack the top-k of ``acc`` as [values, indices-as-float-bits]; updates ``residual`` (and, with
+        momentum masking, ``velocity``) in place at the sent indices."""
         n = acc.numel()
-        k = min(n, max(1, math.ceil(self.cfg.ratio * n)))
-        _, idx = acc.abs().topk(k, sorted=False)
-        vals = acc[idx]
+        k = k_for(self.ratio_now, n)
+        idx, pad = select(acc.abs(), k, self.cfg.selection, self._sel_gen, self.selection)
+        real = idx[: k - pad]
+        vals = torch.zeros(k, dtype=torch.float32, device=acc.device)
+        vals[: k - pad] = acc[real]
         if residual is not None:
             residual.copy_(acc)
-            residual[idx] = 0.0
-        packed = torch.cat([vals.float(), idx.to(torch.int32).view(torch.float32)])
+            residual[real] = 0.0
+        if velocity is not None and self.cfg.momentum_masking:
+            velocity[real] = 0.0
+            self.masked_entries += k - pad
+        packed = torch.cat([vals, idx.to(torch.int32).view(torch.float32)])
         return packed, k
 
     @staticmethod
@@ -294,80 +485,77 @@ class CommHook:
             out.index_add_(0, p[k:].view(torch.int32).long(), p[:k])
         return out
 
-    def _topk(self, buf: torch.Tensor, layout: Layout, index: int) -> torch.Tensor:
-        world = self.world_size
-        acc = buf.float()
-        residual = None
-        if self.cfg.error_feedback:
-            residual = self._residual(index, layout, buf.numel(), buf.device)
-            acc = acc + residual
-        packed, k = self._sparsify(acc, residual)
-        parts = [torch.empty_like(packed) for _ in range(world)]
-        dist.all_gather(parts, packed)
+    def _gather(self, packed: torch.Tensor, size: int, group: Any, sync: bool,
+                finish: Any) -> torch.Tensor | torch.futures.Future:
+        """All-gather ``packed`` and return ``finish(parts)``; asynchronously (a future) unless ``sync``, so
+        DDP's backward goes on computing while the collective runs, as it does for dense buckets."""
+        parts = [torch.empty_like(packed) for _ in range(size)]
+        if sync:
+            dist.all_gather(parts, packed, group=group)
+            return finish(parts)
+        fut = dist.all_gather(parts, packed, group=group, async_op=True).get_future()
+
+        def done(f: torch.futures.Future) -> torch.Tensor:
+            f.wait()  # re-raises a failed collective instead of finishing on unfilled buffers
+            return finish(parts)
+
+        return fut.then(done)
+
+    def _topk(self, buf: torch.Tensor, layout: Layout, index: int, sync: bool) -> torch.Tensor | torch.futures.Future:
+        world, n = self.world_size, buf.numel()
+        acc, residual, u = self._accumulate(buf.float(), index, layout, n, 0, n, 1.0)
+        packed, k = self._sparsify(acc, residual, u)
         nbytes = allgather_bytes(packed.numel() * 4, world)
         self.bytes_sent += nbytes
         if self.topology.num_nodes > 1:
             self.bytes_inter_node += nbytes
-        out = self._scatter_sum(parts, k, buf.numel(), buf.device).div_(world)
-        return out.to(buf.dtype)
+        def finish(parts: list[torch.Tensor]) -> torch.Tensor:
+            return self._scatter_sum(parts, k, n, buf.device).div_(world).to(buf.dtype)
 
-    def _hierarchical(self, buf: torch.Tensor, layout: Layout, index: int) -> torch.Tensor:
+        return self._gather(packed, world, None, sync, finish)
+
+    def _hierarchical(self, buf: torch.Tensor, layout: Layout, index: int,
+                      sync: bool) -> torch.Tensor | torch.futures.Future:
         world, m, nodes = self.world_size, self._node_size, self._num_nodes
         n = buf.numel()
         node_sum = buf.float().clone()
+        # The node sum and the cross-node exchange are synchronous (each feeds the next step of this
+        # bucket); the closing all-gather inside the node runs asynchronously unless ``sync``.
         dist.all_reduce(node_sum, group=self._node_group)
         self.bytes_sent += ring_allreduce_bytes(n * 4, m)
         c = math.ceil(n / m)
         lo, hi = min(n, self._local_index * c), min(n, (self._local_index + 1) * c)
         padded = torch.zeros(c, dtype=torch.float32, device=buf.device)
         if hi > lo:  # all members of a cross group share local index, hence the same chunk length
-            acc = node_sum[lo:hi]
-            residual = None
-            if self.cfg.error_feedback:
-                residual = self._residual(index, layout, n, buf.device)[lo:hi]
-                acc = acc + residual
-            packed, k = self._sparsify(acc, residual)
+            # Each node's velocity is built from its node sum; M times the global velocity per node makes
+            # the nodes' contributions, divided by the world size, average to it.
+            acc, residual, u = self._accumulate(node_sum[lo:hi], index, layout, n, lo, hi, float(m))
+            packed, k = self._sparsify(acc, residual, u)
             parts = [torch.empty_like(packed) for _ in range(nodes)]
             dist.all_gather(parts, packed, group=self._cross_group)
             nbytes = allgather_bytes(packed.numel() * 4, nodes)
             self.bytes_sent += nbytes
             self.bytes_inter_node += nbytes
             padded[: hi - lo] = self._scatter_sum(parts, k, hi - lo, buf.device).div_(world)
-        chunks = [torch.empty_like(padded) for _ in range(m)]
-        dist.all_gather(chunks, padded, group=self._node_group)
         self.bytes_sent += allgather_bytes(c * 4, m)
-        ordered = [chunks[self._node_chunk_of_member.index(j)] for j in range(m)]
-        return torch.cat(ordered)[:n].to(buf.dtype)
 
-    # --- residual storage -------------------------------------------------------------------
+        def finish(chunks: list[torch.Tensor]) -> torch.Tensor:
+            ordered = [chunks[self._node_chunk_of_member.index(j)] for j in range(m)]
+            return torch.cat(ordered)[:n].to(buf.dtype)
+
+        return self._gather(padded, m, self._node_group, sync, finish)
+
+    # --- per-parameter state (residuals, velocities) ----------------------------------------------
     def _residual(self, index: int, layout: Layout, n: int, device: torch.device) -> torch.Tensor:
-        entry = self._flat.get(index)
-        if entry is not None and entry[0] == layout and entry[1].numel() == n:
-            return entry[1]
-        if entry is not None:
-            self._flush()  # DDP rebuilt its buckets: go back to per-parameter form
-        parts = []
-        for name, numel in layout:
-            r = self._pending.pop(name, None)
-            parts.append(r.reshape(-1).to(device=device, dtype=torch.float32) if r is not None and r.numel() == numel
-                         else torch.zeros(numel, dtype=torch.float32, device=device))
-        flat = torch.cat(parts) if parts else torch.zeros(n, dtype=torch.float32, device=device)
-        self._flat[index] = (list(layout), flat)
-        return flat
-
-    def _flush(self) -> None:
-        for layout, flat in self._flat.values():
-            for (name, _), piece in zip(layout, flat.split([nm for _, nm in layout])):
-                self._pending[name] = piece.clone()
-        self._flat.clear()
+        return self._slots["residual"].get(index, layout, n, device)
 
     def residuals(self) -> dict[str, torch.Tensor]:
         """Per-parameter residuals (flat, fp32, on CPU), keyed by parameter name."""
-        out = {k: v.detach().cpu().clone() for k, v in self._pending.items()}
-        for layout, flat in self._flat.values():
-            for (name, _), piece in zip(layout, flat.split([nm for _, nm in layout])):
-                out[name] = piece.detach().cpu().clone()
-        return out
+        return self._slots["residual"].per_param()
+
+    def velocities(self) -> dict[str, torch.Tensor]:
+        """Per-parameter local velocities of momentum correction (flat, fp32, on CPU)."""
+        return self._slots["momentum"].per_param()
 
     # --- checkpoint ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -379,7 +567,8 @@ class CommHook:
             "bytes_sent": self.bytes_sent, "bytes_inter_node": self.bytes_inter_node,
             "dense_bytes": self.dense_bytes, "dense_steps": self.dense_steps,
             "compressed_steps": self.compressed_steps, "force_dense": self._force_dense,
-            "residuals": self.residuals(), "powersgd": None,
+            "residuals": self.residuals(), "powersgd": None, "momentum": self.velocities(),
+            "dense_momentum": self._slots["dense_momentum"].per_param(), "selection_rng": self._sel_gen.get_state(),
         }
         if self._psgd is not None:
             # The same slots torch's PowerSGDState.__getstate__ saves (all but the process group),
@@ -403,8 +592,8 @@ class CommHook:
         self.dense_bytes = int(sd.get("dense_bytes", 0))
         self.dense_steps = int(sd.get("dense_steps", 0))
         self.compressed_steps = int(sd.get("compressed_steps", 0))
-        self._flat.clear()
-        self._pending.clear()
+        for store in self._slots.values():
+            store.clear()
         changes = []
         if int(sd["world_size"]) != world_size:
             changes.append(f"world size {sd['world_size']} -> {world_size}")
@@ -419,11 +608,17 @@ class CommHook:
         self._need_agree = True
         if changes:
             self._force_dense = self.cfg.resize_dense_steps if self.mode != "dense" else 0
+            vel = len(sd.get("momentum") or {}) + len(sd.get("dense_momentum") or {})
             self._notes.append(f"resume with {', '.join(changes)}: {len(sd['residuals'])} residuals dropped, "
-                               f"{self._force_dense} dense step(s) next")
+                               + (f"{vel} velocities dropped, " if vel else "")
+                               + f"{self._force_dense} dense step(s) next")
             return
         self._force_dense = int(sd.get("force_dense", 0))
-        self._pending = {k: v.detach().clone() for k, v in sd["residuals"].items()}
+        self._slots["residual"].load(sd["residuals"])
+        self._slots["momentum"].load(sd.get("momentum") or {})
+        self._slots["dense_momentum"].load(sd.get("dense_momentum") or {})
+        if sd.get("selection_rng") is not None:
+            self._sel_gen.set_state(sd["selection_rng"])
         if self._psgd is not None and sd.get("powersgd"):
             st = dict(sd["powersgd"])
             st["process_group"] = None
@@ -436,13 +631,41 @@ class CommHook:
             # A fresh DDP runs its first iteration on its initial (not yet rebuilt) buckets, whose
             # indices do not match the saved per-bucket memories: run that step dense.
             self._force_dense = max(self._force_dense, 1)
-        self._notes.append(f"resumed at step {self.step} with {len(self._pending)} residual tensors")
+        self._notes.append(f"resumed at step {self.step} with {len(self._slots['residual'])} residual and "
+                           f"{len(self._slots['momentum']) + len(self._slots['dense_momentum'])} velocity tensors")
 
     # --- reporting ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         return {"comm_mode": self.mode, "comm_bytes": self.bytes_sent, "comm_bytes_inter_node": self.bytes_inter_node,
                 "comm_dense_bytes": self.dense_bytes, "comm_seconds": self.comm_seconds,
-                "comm_compressed_steps": self.compressed_steps, "comm_dense_steps": self.dense_steps}
+                "comm_compressed_steps": self.compressed_steps, "comm_dense_steps": self.dense_steps,
+                "comm_ratio_now": self.ratio_now, "comm_momentum_correction": self.momentum_correction,
+                "comm_clipped_buckets": self.clipped, "comm_clip_checks": self.clip_checks,
+                "comm_masked_entries": self.masked_entries, "comm_selection": self.cfg.selection,
+                "comm_selection_calls": self.selection.calls, "comm_selection_sampled": self.selection.sampled,
+                "comm_selection_fallbacks": self.selection.fallbacks,
+                "comm_selection_padded_entries": self.selection.padded_entries}
+
+    def _dgc_summary(self) -> str:
+        """What each DGC unit and the selection did so far (a unit that changed nothing says so)."""
+        c = self.cfg
+        parts = [f"momentum correction {'on' if self.momentum_correction else 'off'}"
+                 + (f" (nesterov={self.nesterov}, momentum now {self.momentum:g})" if self.momentum_correction else "")]
+        parts.append(f"local clip {c.local_clip:g}/sqrt({self.world_size}): {self.clipped} of {self.clip_checks} "
+                     "bucket-steps clipped" if c.local_clip > 0 else "local clip off")
+        parts.append(f"momentum masking: {self.masked_entries} velocity entries zeroed"
+                     if c.momentum_masking and self.momentum_correction else "momentum masking off")
+        if c.sparsity_warmup_epochs > 0 and c.sparsity_warmup_start > c.ratio:
+            parts.append(f"sparsity warm-up {c.sparsity_warmup_start:g} -> {c.ratio:g} over "
+                         f"{c.sparsity_warmup_epochs:g} epoch(s): ratio {self.ratio_now:.4g} at epoch "
+                         f"{self.epochs_done:.2f}")
+        else:
+            parts.append("sparsity warm-up off")
+        sel = self.selection
+        parts.append(f"{c.selection} selection" + (f": {sel.sampled} of {sel.calls} by sampled threshold, "
+                                                  f"{sel.fallbacks} exact fallbacks, {sel.padded_entries} padded "
+                                                  "entries" if c.selection == "sampled" else ""))
+        return ", ".join(parts)
 
     def describe(self) -> str:
         """One line for the log: the mode, what it did, how much it sent against dense."""
@@ -455,6 +678,8 @@ class CommHook:
             what += f", error feedback {'on' if c.error_feedback else 'off'}"
         if self.mode != "dense":
             what += f", {c.warmup_steps} dense warm-up step(s)"
+        if self.mode in ("topk", "hierarchical_topk"):
+            what += "; " + self._dgc_summary()
         frac = f"{self.bytes_sent / self.dense_bytes:.2%} of dense" if self.dense_bytes else "n/a"
         line = (f"comm: {what}; {self.topology.describe()}; steps {self.step} "
                 f"({self.compressed_steps} compressed, {self.dense_steps} dense); sent {self.bytes_sent / 1e6:.2f} MB "
@@ -484,9 +709,20 @@ def _ddp_hook(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future:
     else:
         fut = hook._reduce(bucket.buffer(), hook._layout(bucket), bucket.index(), sync=False)
     hook.comm_seconds += time.perf_counter() - t0
+    if hook.bucket_timings is not None:
+        fut = _stamped(fut, hook.bucket_timings, bucket.index(), t0)
     if last:
         hook._end_step()
     return fut
+
+
+def _stamped(fut: torch.futures.Future, log: list, index: int, t_call: float) -> torch.futures.Future:
+    """Append (bucket, hook call, result ready) perf_counter times to ``log`` when ``fut`` completes."""
+    def stamp(f: torch.futures.Future) -> torch.Tensor:
+        log.append((index, t_call, time.perf_counter()))
+        return f.value()
+
+    return fut.then(stamp)
 
 
 # DDP checks the hook's annotations against the real classes; this module's postponed (string)

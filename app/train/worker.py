@@ -87,7 +87,8 @@ def train_loop_per_worker(config: dict) -> None:
     bucket_mb, evidence = choose_bucket_mb(model, world, device, pinned_mb=cfg.comm.bucket_mb)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket_mb,
               gradient_as_bucket_view=True)
-    comm = CommHook(cfg.comm, topo, device)
+    comm = CommHook(cfg.comm, topo, device, optimizer=cfg.optim.name,
+                    nesterov=cfg.optim.nesterov and cfg.optim.momentum > 0)
     comm.install(ddp)
     forward = dev.maybe_compile(ddp, cfg.model, device)
     optimizer = build_optimizer(model, cfg.optim, device)
@@ -195,7 +196,8 @@ def train_loop_per_worker(config: dict) -> None:
                     raise RuntimeError(f"data stream out of step: got epoch {batch['epoch'][0]}, expected {epoch}")
                 lr = sched.lr_at(counters["samples_seen"])
                 mom = sched.momentum_at(counters["samples_seen"])
-                set_lr_momentum(optimizer, lr, mom)
+                comm.begin_step(counters["samples_seen"] / spec.train_size)  # drives the sparsity warm-up
+                set_lr_momentum(optimizer, lr, comm.optimizer_momentum(mom))  # 0 under momentum correction
                 x = dev.images_to_device(torch.from_numpy(batch["image"]), device, cfg.model.channels_last)
                 y = torch.from_numpy(batch["label"]).to(device, non_blocking=True)
                 with dev.autocast(precision, device):
