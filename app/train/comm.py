@@ -18,6 +18,19 @@ bucket. Modes (``comm.mode``):
   work. With one node nothing crosses the network and the bucket is reduced densely.
 - ``powersgd``: torch's PowerSGD hook (rank ``comm.powersgd_rank``), for comparison.
 
+Deep Gradient Compression's accuracy units (``app.train.dgc``; each off by default, each reported
+at set-up through ``unit_log`` and in ``describe``/``stats``): momentum correction
+(``comm.momentum_correction``: velocity, not gradient, goes into the residual; the hook then owns
+momentum and the SGD optimizer runs with momentum 0, see ``optimizer_momentum``), local gradient
+clipping (``comm.local_clip``), momentum-factor masking (``comm.momentum_masking``) and a sparsity
+warm-up (``comm.sparsity_warmup_epochs``, driven by ``begin_step(epochs of samples seen)``). Selection
+(``comm.selection``): exact ``torch.topk`` or a sampled threshold (``app.train.compress``).
+
+Overlap: through DDP every compressed bucket returns the future of its collective (flat top-k: the
+all-gather; hierarchical: the closing all-gather inside the node), so backward goes on computing the
+next buckets while it runs, as for dense. All hook state is read and written on the hook's thread
+before the collective starts; completion callbacks only combine the received tensors.
+
 ``comm.warmup_steps`` dense steps run before compression starts (top-k from step 0 hurts the early,
 large gradients most). With a single worker nothing is communicated and every mode is the identity.
 
@@ -28,6 +41,9 @@ a bucket arrives whose parameter list differs from the cached one (DDP rebuilt i
 cached flat residual is split back into per-parameter tensors and the flat ones are rebuilt from
 them, so no residual is ever applied to the wrong parameter. ``state_dict`` always writes the
 per-parameter form.
+
+Momentum-correction velocities use the same storage (per-parameter canonical form) and are saved,
+loaded and dropped on a worker-set change together with the residuals.
 
 Checkpoints: the state is per worker (each worker's residual is its own undelivered gradient), so
 every rank saves its own ``state_dict()`` (e.g. ``comm_rank{rank}.pt``) and loads its own.
@@ -374,11 +390,11 @@ class CommHook:
         self._step_was_dense = False
         if self._effective == "identity":
             self._step_was_dense = True
-            out = self._dense_velocity(buf, layout, index) if self.momentum_correction else buf
+            out = self._dense_velocity(buf, layout, index)(buf) if self.momentum_correction else buf
             return out if sync else _done(out)
         if self._dense_now() or self._effective == "dense":
             self._step_was_dense = True
-            post = (lambda t: self._dense_velocity(t, layout, index)) if self.momentum_correction else None
+            post = self._dense_velocity(buf, layout, index) if self.momentum_correction else None
             return self._dense(buf, torch.float32 if buf.dtype == torch.float32 else buf.dtype, sync, post)
         if self.mode in ("fp16", "bf16"):
             return self._dense(buf, torch.float16 if self.mode == "fp16" else torch.bfloat16, sync)
@@ -386,14 +402,21 @@ class CommHook:
             return self._topk(buf, layout, index, sync)
         return self._hierarchical(buf, layout, index, sync)
 
-    def _dense_velocity(self, mean: torch.Tensor, layout: Layout, index: int) -> torch.Tensor:
-        """Momentum correction on a dense step: the global velocity from the averaged gradient.
+    def _dense_velocity(self, buf: torch.Tensor, layout: Layout, index: int) -> Any:
+        """Momentum correction on a dense step: a function from the averaged gradient to the velocity update.
 
-        Every rank holds the same velocity (it is built from the same mean), so the first compressed
-        step can hand it to each worker's local velocity without communication (``_local_velocity``).
+        Every rank holds the same global velocity (it is built from the same mean), so the first compressed
+        step can hand it to each worker's local velocity without communication (``_local_velocity``). The
+        velocity is looked up now, on the hook's thread; the returned function runs in the collective's
+        completion callback, where touching the slot store could race with the next bucket's lookup.
         """
-        u = self._slots["dense_momentum"].get(index, layout, mean.numel(), mean.device)
-        return accumulate_velocity(u, mean.float(), self.momentum, self.nesterov).to(mean.dtype)
+        u = self._slots["dense_momentum"].get(index, layout, buf.numel(), buf.device)
+        momentum, nesterov = self.momentum, self.nesterov
+
+        def post(mean: torch.Tensor) -> torch.Tensor:
+            return accumulate_velocity(u, mean.float(), momentum, nesterov).to(mean.dtype)
+
+        return post
 
     def _local_velocity(self, index: int, layout: Layout, n: int, device: torch.device,
                         scale: float) -> torch.Tensor:
@@ -455,8 +478,10 @@ class CommHook:
             acc = accumulate_velocity(u, g, self.momentum, self.nesterov)
         residual = None
         if c.error_feedback:
+            # Accumulate in place: the residual becomes the accumulator, and _sparsify zeroes what it sends
+            # (one pass over the bucket fewer than a separate sum and copy-back).
             residual = self._residual(index, layout, n, g.device)[lo:hi]
-            acc = acc + residual
+            acc = residual.add_(acc)
         return acc, residual, u
 
     def _sparsify(self, acc: torch.Tensor, residual: torch.Tensor | None,
@@ -470,7 +495,8 @@ class CommHook:
         vals = torch.zeros(k, dtype=torch.float32, device=acc.device)
         vals[: k - pad] = acc[real]
         if residual is not None:
-            residual.copy_(acc)
+            if residual is not acc:
+                residual.copy_(acc)
             residual[real] = 0.0
         if velocity is not None and self.cfg.momentum_masking:
             velocity[real] = 0.0
