@@ -48,9 +48,10 @@ ResNet-50's gradient (torchvision parameter sizes, 25 MB buckets), on this CPU, 
 forward + backward of ResNet-50 at ``--overhead-batch`` images of 224 px on the same CPU. Both figures and
 the batch are printed: the fraction shrinks as the batch grows.
 
-Crossover: with per-worker bytes B (measured meter) and compression compute C (above, at ResNet-50 size),
-a mode beats dense below the link bandwidth ``8 (B_dense - B_mode) / C`` bit/s (alpha-beta model, no
-overlap; dense's own compute is the same on both sides and cancels).
+Crossover: with per-worker inter-node bytes B (measured meter; the slow link) and compression compute C
+(above, scaled from ResNet-50's element count to the model's), a mode beats dense below the inter-node
+link bandwidth ``8 (B_dense - B_mode) / C`` bit/s (alpha-beta model, no overlap, intra-node traffic
+taken as free; dense's own compute is the same on both sides and cancels).
 
 Accuracy (``--accuracy``): ``python app/run.py --storage S --name N --scaling.ray_address=local`` per
 variant (the demo recipe, same seed and budget), dense against top-k 0.01 with error feedback and the DGC
@@ -402,7 +403,8 @@ def main(argv: list[str] | None = None) -> None:
                 "comm_s": None if r["comm_s"] is None else round(r["comm_s"], 4)}
             if mode in ("topk", "hierarchical_topk"):
                 figures[arch]["measured"][mode]["crossover_gbps"] = crossover_gbps(
-                    dense["bytes"], r["bytes"], over["seconds"][SELECTION] * res["elements"] / over["elements"])
+                    dense["inter_bytes"], r["inter_bytes"],
+                    over["seconds"][SELECTION] * res["elements"] / over["elements"])
             if mode != "dense":
                 ratios[f"{arch}_bytes_dense_over_{mode}"] = round(dense["bytes"] / max(r["bytes"], 1), 3)
                 ratios[f"{arch}_inter_node_bytes_dense_over_{mode}"] = round(
@@ -418,8 +420,9 @@ def main(argv: list[str] | None = None) -> None:
     figures["projection_constants"] = {
         "nic_gbps": NIC_BYTES_PER_S * 8 / 1e9, "alpha_inter_s": ALPHA_INTER, "intra_GBps": INTRA_BYTES_PER_S / 1e9,
         "alpha_intra_s": ALPHA_INTRA, "per_gpu_batch": PER_GPU_BATCH, "nodes": NODES, "gpus_per_node": GPUS_PER_NODE}
-    figures["crossover_model"] = ("crossover_gbps = 8 (dense_bytes - mode_bytes) / compress_s per worker and step; "
-                                  "compress_s = compress_overhead.seconds[selection] scaled by elements")
+    figures["crossover_model"] = ("crossover_gbps = 8 (dense inter-node bytes - mode inter-node bytes) / compress_s "
+                                  "per worker and step; compress_s = compress_overhead.seconds[selection] scaled by "
+                                  "the model's elements over ResNet-50's")
     if args.accuracy:
         storage = args.storage or tempfile.mkdtemp(prefix="bench-comm-")
         acc = accuracy(storage, [f"--{kv}" for kv in args.set], args.epochs, args.accuracy_plain)
