@@ -209,7 +209,7 @@ class CommHook:
         self.nesterov = nesterov
         self.momentum = 0.0  # the schedule's momentum for this step (optimizer_momentum)
         self.epochs_done = 0.0  # epochs of samples seen, for the sparsity warm-up (begin_step)
-        self.ratio_now = cfg.ratio
+        self.ratio_now = warmup_ratio(cfg.ratio, cfg.sparsity_warmup_start, cfg.sparsity_warmup_epochs, 0.0)
         self.clipped = 0  # bucket-steps whose local gradient was clipped
         self.clip_checks = 0
         self.masked_entries = 0  # velocity entries zeroed by momentum-factor masking
