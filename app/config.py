@@ -146,6 +146,7 @@ class CommConfig:
     sparsity_warmup_epochs: float = 0.0  # ratio ramps exponentially from sparsity_warmup_start to ratio; 0 = off
     sparsity_warmup_start: float = 0.25
     selection: str = "exact"  # exact | sampled (threshold from a random sample, exact top-k as fallback)
+    per_layer: bool = False  # topk: ratio of each parameter tensor in a bucket (as DGC), not of the whole bucket
 
 
 @dataclass

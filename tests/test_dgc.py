@@ -106,6 +106,11 @@ def _worker(rank: int, world: int, folder: str) -> None:
             out["resized_vel"] = len(resized.velocities())
             out["resized_describe"] = resized.describe()
 
+    # Per-layer selection: ratio of each parameter of the bucket.
+    h = _hook(topo, per_layer=True)
+    out["per_layer_out"] = h.aggregate(_grads(rank, 0), LAYOUT)
+    out["per_layer_bytes"] = h.bytes_sent
+
     # Local clipping: a tiny threshold clips every bucket.
     h = _hook(topo, local_clip=0.5)
     out["clip_out"] = h.aggregate(_grads(rank, 0), LAYOUT)
@@ -228,6 +233,20 @@ def test_velocities_survive_state_dict_round_trip_and_resize_drops_them(runs):
         assert torch.equal(a, b)
         assert d["resized_vel"] == 0
         assert "2 velocities dropped" in d["resized_describe"]
+
+
+def test_per_layer_selection_sends_the_ratio_of_each_parameter(runs):
+    total, off = torch.zeros(N), 0
+    for _, size in LAYOUT:
+        k = math.ceil(RATIO * size)  # 3 of a's 24, 2 of b's 16
+        for r in range(WORLD):
+            seg = runs[r]["grads"][0][off:off + size]
+            idx = seg.abs().topk(k).indices
+            total[off + idx] += seg[idx]
+        off += size
+    for r in range(WORLD):
+        torch.testing.assert_close(runs[r]["per_layer_out"], total / WORLD)
+    assert runs[0]["per_layer_bytes"] == allgather_bytes(8 * (3 + 2), WORLD)
 
 
 # --- local clipping, warm-up -------------------------------------------------------------------------

@@ -63,6 +63,7 @@ sent for the same buckets, so ``bytes_sent / dense_bytes`` is the achieved compr
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import time
 from typing import Any
@@ -249,7 +250,8 @@ class CommHook:
         unit_log("sparsity_warmup", na or (f"on: ratio {c.sparsity_warmup_start:g} -> {c.ratio:g} exponentially "
                                            f"over {c.sparsity_warmup_epochs:g} epoch(s) of samples seen" if warm
                                            else "off (comm.sparsity_warmup_epochs=0 or start <= ratio)"), on=warm)
-        unit_log("topk_selection", na or f"{c.selection} top-k", method=c.selection)
+        unit_log("topk_selection", na or f"{c.selection} top-k {'per parameter' if c.per_layer else 'per bucket'}",
+                 method=c.selection, per_layer=c.per_layer)
 
     def optimizer_momentum(self, momentum: float) -> float:
         """Record the schedule's momentum for this step; return the momentum the optimizer should use.
@@ -484,23 +486,49 @@ class CommHook:
             acc = residual.add_(acc)
         return acc, residual, u
 
+    def _select(self, acc: torch.Tensor, segments: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(indices to send, None or a mask of the real ones): the top ``ratio`` of the whole of ``acc``, or,
+        with ``segments`` (per-parameter sizes, ``comm.per_layer``), of each parameter, as DGC selects per
+        layer so that a layer of small gradients is not starved by a layer of large ones in one bucket.
+        Padding entries (index 0, sent with value 0) fill up where the sampled selection found fewer."""
+        mag = acc.abs()
+        parts = [(0, acc.numel())]
+        if segments:
+            offs = [0, *itertools.accumulate(segments)]
+            parts = list(zip(offs[:-1], segments))
+        idxs, masks, padded = [], [], False
+        for off, size in parts:
+            kk = k_for(self.ratio_now, size)
+            i, pad = select(mag[off:off + size] if segments else mag, kk, self.cfg.selection, self._sel_gen,
+                            self.selection)
+            idxs.append(i + off if off else i)
+            m = torch.ones(kk, dtype=torch.bool, device=acc.device)
+            if pad:
+                m[kk - pad:] = False
+                idxs[-1][kk - pad:] = 0
+                padded = True
+            masks.append(m)
+        idx = idxs[0] if len(idxs) == 1 else torch.cat(idxs)
+        return idx, (torch.cat(masks) if padded else None)
+
     def _sparsify(self, acc: torch.Tensor, residual: torch.Tensor | None,
-                  velocity: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+                  velocity: torch.Tensor | None = None, segments: list[int] | None = None) -> tuple[torch.Tensor, int]:
         """Pack the top-k of ``acc`` as [values, indices-as-float-bits]; updates ``residual`` (and, with
         momentum masking, ``velocity``) in place at the sent indices."""
-        n = acc.numel()
-        k = k_for(self.ratio_now, n)
-        idx, pad = select(acc.abs(), k, self.cfg.selection, self._sel_gen, self.selection)
-        real = idx[: k - pad]
-        vals = torch.zeros(k, dtype=torch.float32, device=acc.device)
-        vals[: k - pad] = acc[real]
+        idx, mask = self._select(acc, segments)
+        k = idx.numel()
+        vals = acc[idx].float()
+        real = idx
+        if mask is not None:
+            vals[~mask] = 0.0
+            real = idx[mask]
         if residual is not None:
             if residual is not acc:
                 residual.copy_(acc)
             residual[real] = 0.0
         if velocity is not None and self.cfg.momentum_masking:
             velocity[real] = 0.0
-            self.masked_entries += k - pad
+            self.masked_entries += real.numel()
         packed = torch.cat([vals, idx.to(torch.int32).view(torch.float32)])
         return packed, k
 
@@ -530,7 +558,8 @@ class CommHook:
     def _topk(self, buf: torch.Tensor, layout: Layout, index: int, sync: bool) -> torch.Tensor | torch.futures.Future:
         world, n = self.world_size, buf.numel()
         acc, residual, u = self._accumulate(buf.float(), index, layout, n, 0, n, 1.0)
-        packed, k = self._sparsify(acc, residual, u)
+        segments = [numel for _, numel in layout] if self.cfg.per_layer and len(layout) > 1 else None
+        packed, k = self._sparsify(acc, residual, u, segments)
         nbytes = allgather_bytes(packed.numel() * 4, world)
         self.bytes_sent += nbytes
         if self.topology.num_nodes > 1:
@@ -688,9 +717,11 @@ class CommHook:
         else:
             parts.append("sparsity warm-up off")
         sel = self.selection
-        parts.append(f"{c.selection} selection" + (f": {sel.sampled} of {sel.calls} by sampled threshold, "
-                                                  f"{sel.fallbacks} exact fallbacks, {sel.padded_entries} padded "
-                                                  "entries" if c.selection == "sampled" else ""))
+        what = f"{c.selection} selection{' per parameter' if c.per_layer else ''}"
+        if c.selection == "sampled":
+            what += (f": {sel.sampled} of {sel.calls} by sampled threshold, {sel.fallbacks} exact fallbacks, "
+                     f"{sel.padded_entries} padded entries")
+        parts.append(what)
         return ", ".join(parts)
 
     def describe(self) -> str:
