@@ -294,7 +294,9 @@ def compress_overhead(batch: int, ratio: float, reps: int = 3) -> dict[str, Any]
     grads = {n: p.grad.reshape(-1).clone() for n, p in model.named_parameters()}
     topo = Topology.simulated(2, 0, 1)  # only for the hook's bookkeeping: no collective runs here
     variants = {"exact": {"selection": "exact"}, "sampled": {"selection": "sampled"},
-                "sampled_dgc": {"selection": "sampled", "momentum_correction": True, "momentum_masking": True}}
+                "sampled_dgc": {"selection": "sampled", "momentum_correction": True, "momentum_masking": True},
+                "sampled_dgc_per_layer": {"selection": "sampled", "momentum_correction": True, "momentum_masking": True,
+                                          "per_layer": True}}
     out: dict[str, Any] = {"batch": batch, "resolution": 224, "threads": torch.get_num_threads(),
                            "forward_backward_s": round(min(fb), 4), "buckets": len(buckets),
                            "elements": sum(n for b in buckets for _, n in b), "ratio": ratio, "seconds": {}}
@@ -307,8 +309,9 @@ def compress_overhead(batch: int, ratio: float, reps: int = 3) -> dict[str, Any]
             t0 = time.perf_counter()
             for i, (flat, layout) in enumerate(zip(flats, buckets)):
                 acc, residual, u = hook._accumulate(flat, i, layout, flat.numel(), 0, flat.numel(), 1.0)
-                packed, k = hook._sparsify(acc, residual, u)
-                assert packed.numel() == 2 * k_for(hook.ratio_now, flat.numel())
+                segments = [m for _, m in layout] if hook.cfg.per_layer else None
+                packed, k = hook._sparsify(acc, residual, u, segments)
+                assert packed.numel() == 2 * sum(k_for(hook.ratio_now, m) for m in segments or [flat.numel()])
             best = min(best, time.perf_counter() - t0)
         out["seconds"][name] = round(best, 4)
         out[f"frac_{name}"] = round(best / min(fb), 4)
