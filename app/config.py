@@ -292,6 +292,17 @@ class CommConfig:
     powersgd_rank: Annotated[Int, Range(1, 1024)] = 2
     # dense steps after a resume with a different worker set (residuals reset)
     resize_dense_steps: Annotated[Int, Range(0, 10**6)] = 1
+    # Deep Gradient Compression units (app/train/dgc.py), for topk / hierarchical_topk:
+    momentum_correction: Bool = False  # the hook accumulates velocity; the SGD optimizer then runs momentum 0
+    # clip each local bucket gradient to local_clip / sqrt(world) before accumulating; 0 = off
+    local_clip: Annotated[Float, Range(0.0, 1e6)] = 0.0
+    momentum_masking: Bool = False  # zero the velocity where entries were sent (with momentum_correction)
+    # the ratio ramps exponentially from sparsity_warmup_start to ratio over these epochs; 0 = off
+    sparsity_warmup_epochs: Annotated[Float, Range(0.0, 10000)] = 0.0
+    sparsity_warmup_start: Annotated[Float, Range(1e-6, 1.0)] = 0.25
+    # exact | sampled (threshold from a random sample, exact top-k as fallback)
+    selection: Annotated[Str, OneOf("exact", "sampled")] = "exact"
+    per_layer: Bool = False  # topk: ratio of each parameter tensor in a bucket (as DGC), not of the whole bucket
 
 
 @_section

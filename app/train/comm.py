@@ -18,6 +18,19 @@ bucket. Modes (``comm.mode``):
   work. With one node nothing crosses the network and the bucket is reduced densely.
 - ``powersgd``: torch's PowerSGD hook (rank ``comm.powersgd_rank``), for comparison.
 
+Deep Gradient Compression's accuracy units (``app.train.dgc``; each off by default, each reported
+at set-up through ``unit_log`` and in ``describe``/``stats``): momentum correction
+(``comm.momentum_correction``: velocity, not gradient, goes into the residual; the hook then owns
+momentum and the SGD optimizer runs with momentum 0, see ``optimizer_momentum``), local gradient
+clipping (``comm.local_clip``), momentum-factor masking (``comm.momentum_masking``) and a sparsity
+warm-up (``comm.sparsity_warmup_epochs``, driven by ``begin_step(epochs of samples seen)``). Selection
+(``comm.selection``): exact ``torch.topk`` or a sampled threshold (``app.train.compress``).
+
+Overlap: through DDP every compressed bucket returns the future of its collective (flat top-k: the
+all-gather; hierarchical: the closing all-gather inside the node), so backward goes on computing the
+next buckets while it runs, as for dense. All hook state is read and written on the hook's thread
+before the collective starts; completion callbacks only combine the received tensors.
+
 ``comm.warmup_steps`` dense steps run before compression starts (top-k from step 0 hurts the early,
 large gradients most). With a single worker nothing is communicated and every mode is the identity.
 
@@ -28,6 +41,9 @@ a bucket arrives whose parameter list differs from the cached one (DDP rebuilt i
 cached flat residual is split back into per-parameter tensors and the flat ones are rebuilt from
 them, so no residual is ever applied to the wrong parameter. ``state_dict`` always writes the
 per-parameter form.
+
+Momentum-correction velocities use the same storage (per-parameter canonical form) and are saved,
+loaded and dropped on a worker-set change together with the residuals.
 
 Checkpoints: the state is per worker (each worker's residual is its own undelivered gradient), so
 every rank saves its own ``state_dict()`` (e.g. ``comm_rank{rank}.pt``) and loads its own.
@@ -47,6 +63,7 @@ sent for the same buckets, so ``bytes_sent / dense_bytes`` is the achieved compr
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import time
 from typing import Any
@@ -55,6 +72,9 @@ import torch
 import torch.distributed as dist
 
 from app.config import CommConfig
+from app.train.compress import SelectionStats, k_for, select
+from app.train.device import unit_log
+from app.train.dgc import accumulate_velocity, clip_local, warmup_ratio
 from app.train.topology import Topology, build_groups
 
 Layout = list[tuple[str, int]]  # (parameter name, numel) in bucket order
@@ -72,6 +92,74 @@ def allgather_bytes(payload: int, world: int) -> int:
     return 0 if world <= 1 else (world - 1) * payload
 
 
+class SlotStore:
+    """One kind of per-parameter hook state (residuals, velocities), robust to DDP's bucket rebuild.
+
+    The canonical form is per parameter name; while a bucket's layout stays the same its state is one
+    flat fp32 tensor (bucket index -> (layout, flat)). A bucket whose layout differs from the cached
+    one (DDP rebuilt its buckets) sends every flat tensor back to per-parameter form first, so state
+    is never applied to the wrong parameter.
+    """
+
+    def __init__(self) -> None:
+        self._flat: dict[int, tuple[Layout, torch.Tensor]] = {}
+        self._pending: dict[str, torch.Tensor] = {}
+
+    def get(self, index: int, layout: Layout, n: int, device: torch.device,
+            create: bool = True) -> torch.Tensor | None:
+        """The flat state of bucket ``index`` (zeros where none is stored); None if ``create`` is off
+        and nothing is stored for any of its parameters."""
+        entry = self._flat.get(index)
+        if entry is not None and entry[0] == layout and entry[1].numel() == n:
+            return entry[1]
+        if entry is not None:
+            self._flush()
+        if not create and not any(name in self._pending for name, _ in layout):
+            return None
+        parts = []
+        for name, numel in layout:
+            r = self._pending.pop(name, None)
+            parts.append(r.reshape(-1).to(device=device, dtype=torch.float32) if r is not None and r.numel() == numel
+                         else torch.zeros(numel, dtype=torch.float32, device=device))
+        flat = torch.cat(parts) if parts else torch.zeros(n, dtype=torch.float32, device=device)
+        self._flat[index] = (list(layout), flat)
+        return flat
+
+    def pop(self, index: int, layout: Layout, n: int, device: torch.device) -> torch.Tensor | None:
+        """Take bucket ``index``'s state out of the store (None if there is none)."""
+        t = self.get(index, layout, n, device, create=False)
+        if t is not None:
+            del self._flat[index]
+        return t
+
+    def _flush(self) -> None:
+        for layout, flat in self._flat.values():
+            for (name, _), piece in zip(layout, flat.split([nm for _, nm in layout])):
+                self._pending[name] = piece.clone()
+        self._flat.clear()
+
+    def per_param(self) -> dict[str, torch.Tensor]:
+        out = {k: v.detach().cpu().clone() for k, v in self._pending.items()}
+        for layout, flat in self._flat.values():
+            for (name, _), piece in zip(layout, flat.split([nm for _, nm in layout])):
+                out[name] = piece.detach().cpu().clone()
+        return out
+
+    def load(self, per_param: dict[str, torch.Tensor]) -> None:
+        self.clear()
+        self._pending = {k: v.detach().clone() for k, v in per_param.items()}
+
+    def clear(self) -> None:
+        self._flat.clear()
+        self._pending.clear()
+
+    def __len__(self) -> int:
+        return len(self._pending) + sum(len(layout) for layout, _ in self._flat.values())
+
+
+SLOTS = ("residual", "momentum", "dense_momentum")
+
+
 def _done(t: torch.Tensor) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(t)
@@ -81,7 +169,8 @@ def _done(t: torch.Tensor) -> torch.futures.Future:
 class CommHook:
     """The DDP communication hook of one worker; see the module docstring for the modes."""
 
-    def __init__(self, cfg: CommConfig, topology: Topology, device: torch.device):
+    def __init__(self, cfg: CommConfig, topology: Topology, device: torch.device, optimizer: str = "sgd",
+                 nesterov: bool = False):
         self.cfg = cfg
         self.topology = topology
         self.device = torch.device(device)
@@ -96,8 +185,11 @@ class CommHook:
         self.dense_steps = 0
         self._force_dense = 0
         self._step_was_dense = False
-        self._flat: dict[int, tuple[Layout, torch.Tensor]] = {}
-        self._pending: dict[str, torch.Tensor] = {}
+        # residual: undelivered (velocity or gradient) of error feedback; momentum: local velocity u of
+        # momentum correction on compressed steps; dense_momentum: the global velocity kept on dense
+        # steps under momentum correction (identical on every rank), handed to ``momentum`` when
+        # compression starts.
+        self._slots = {name: SlotStore() for name in SLOTS}
         self._names_by_ptr: dict[int, str] = {}
         self._notes: list[str] = []
         self._prepared = False
@@ -111,6 +203,21 @@ class CommHook:
         self._need_agree = True  # agree on step / forced dense steps at the first bucket (see _agree)
         self._psgd: Any = None
         self._psgd_pending: dict | None = None
+        # DGC units (app.train.dgc). Momentum correction replaces the optimizer's momentum, which only
+        # works for plain SGD (LARS/LAMB scale the update per layer after their own momentum).
+        sparse = cfg.mode in ("topk", "hierarchical_topk")
+        self.momentum_correction = cfg.momentum_correction and sparse and optimizer == "sgd"
+        self.nesterov = nesterov
+        self.momentum = 0.0  # the schedule's momentum for this step (optimizer_momentum)
+        self.epochs_done = 0.0  # epochs of samples seen, for the sparsity warm-up (begin_step)
+        self.ratio_now = warmup_ratio(cfg.ratio, cfg.sparsity_warmup_start, cfg.sparsity_warmup_epochs, 0.0)
+        self.clipped = 0  # bucket-steps whose local gradient was clipped
+        self.clip_checks = 0
+        self.masked_entries = 0  # velocity entries zeroed by momentum-factor masking
+        self.selection = SelectionStats()
+        self._sel_gen = torch.Generator(device=self.device).manual_seed(1234 + topology.rank)
+        self.bucket_timings: list[tuple[int, float, float]] | None = None  # (bucket, hook call, future done)
+        self._unit_events(optimizer, sparse)
         if self.mode == "powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
@@ -120,6 +227,50 @@ class CommHook:
                 process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
                 start_powerSGD_iter=max(2, cfg.warmup_steps), use_error_feedback=cfg.error_feedback,
                 warm_start=True, random_seed=0)
+
+    def _unit_events(self, optimizer: str, sparse: bool) -> None:
+        """One unit event per DGC unit at set-up: on, off, or not applicable to this mode/optimizer."""
+        c = self.cfg
+        na = None if sparse else f"not applicable to comm.mode={c.mode}"
+        if self.momentum_correction:
+            mc = (f"on: the hook accumulates velocity (momentum from the schedule, nesterov={self.nesterov}); "
+                  "the SGD optimizer runs with momentum 0")
+        elif c.momentum_correction and sparse:
+            mc = f"off: optimizer {optimizer!r} keeps its own momentum (momentum correction needs sgd)"
+        else:
+            mc = na or "off (comm.momentum_correction=false)"
+        unit_log("momentum_correction", mc, on=self.momentum_correction)
+        unit_log("local_clip", na or (f"on: local bucket gradients clipped to {c.local_clip:g}/sqrt(world)"
+                                      if c.local_clip > 0 else "off (comm.local_clip=0)"),
+                 on=bool(sparse and c.local_clip > 0))
+        masking = sparse and c.momentum_masking and self.momentum_correction
+        unit_log("momentum_masking", na or ("on: velocity zeroed where entries were sent" if masking else
+                                            "off (needs comm.momentum_masking and momentum correction)"), on=masking)
+        warm = sparse and c.sparsity_warmup_epochs > 0 and c.sparsity_warmup_start > c.ratio
+        unit_log("sparsity_warmup", na or (f"on: ratio {c.sparsity_warmup_start:g} -> {c.ratio:g} exponentially "
+                                           f"over {c.sparsity_warmup_epochs:g} epoch(s) of samples seen" if warm
+                                           else "off (comm.sparsity_warmup_epochs=0 or start <= ratio)"), on=warm)
+        unit_log("topk_selection", na or f"{c.selection} top-k {'per parameter' if c.per_layer else 'per bucket'}",
+                 method=c.selection, per_layer=c.per_layer)
+
+    def optimizer_momentum(self, momentum: float) -> float:
+        """Record the schedule's momentum for this step; return the momentum the optimizer should use.
+
+        With momentum correction the hook applies momentum itself, on every step (dense warm-up steps
+        keep a global velocity, compressed steps each worker's local one), and returns the averaged
+        velocity: the optimizer must then run plain SGD (momentum 0), or momentum would be applied twice.
+        Returning 0 on every step, not only on compressed ones, keeps the optimizer's own momentum
+        buffer empty, so no stale buffer resurfaces when steps switch between dense and compressed.
+        Weight decay stays in the optimizer and so acts on the weights without momentum.
+        """
+        self.momentum = float(momentum)
+        return 0.0 if self.momentum_correction else float(momentum)
+
+    def begin_step(self, epochs_done: float) -> None:
+        """Tell the hook how many epochs of samples have been seen (drives the sparsity warm-up)."""
+        self.epochs_done = float(epochs_done)
+        c = self.cfg
+        self.ratio_now = warmup_ratio(c.ratio, c.sparsity_warmup_start, c.sparsity_warmup_epochs, self.epochs_done)
 
     # --- set-up ------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -241,19 +392,51 @@ class CommHook:
         self._step_was_dense = False
         if self._effective == "identity":
             self._step_was_dense = True
-            return buf if sync else _done(buf)
+            out = self._dense_velocity(buf, layout, index)(buf) if self.momentum_correction else buf
+            return out if sync else _done(out)
         if self._dense_now() or self._effective == "dense":
             self._step_was_dense = True
-            return self._dense(buf, torch.float32 if buf.dtype == torch.float32 else buf.dtype, sync)
+            post = self._dense_velocity(buf, layout, index) if self.momentum_correction else None
+            return self._dense(buf, torch.float32 if buf.dtype == torch.float32 else buf.dtype, sync, post)
         if self.mode in ("fp16", "bf16"):
             return self._dense(buf, torch.float16 if self.mode == "fp16" else torch.bfloat16, sync)
         if self._effective == "topk":
-            out = self._topk(buf, layout, index)
-        else:
-            out = self._hierarchical(buf, layout, index)
-        return out if sync else _done(out)
+            return self._topk(buf, layout, index, sync)
+        return self._hierarchical(buf, layout, index, sync)
 
-    def _dense(self, buf: torch.Tensor, dtype: torch.dtype, sync: bool) -> torch.Tensor | torch.futures.Future:
+    def _dense_velocity(self, buf: torch.Tensor, layout: Layout, index: int) -> Any:
+        """Momentum correction on a dense step: a function from the averaged gradient to the velocity update.
+
+        Every rank holds the same global velocity (it is built from the same mean), so the first compressed
+        step can hand it to each worker's local velocity without communication (``_local_velocity``). The
+        velocity is looked up now, on the hook's thread; the returned function runs in the collective's
+        completion callback, where touching the slot store could race with the next bucket's lookup.
+        """
+        u = self._slots["dense_momentum"].get(index, layout, buf.numel(), buf.device)
+        momentum, nesterov = self.momentum, self.nesterov
+
+        def post(mean: torch.Tensor) -> torch.Tensor:
+            return accumulate_velocity(u, mean.float(), momentum, nesterov).to(mean.dtype)
+
+        return post
+
+    def _local_velocity(self, index: int, layout: Layout, n: int, device: torch.device,
+                        scale: float) -> torch.Tensor:
+        """This worker's velocity for a compressed step; on the first one it starts from the dense steps'
+        global velocity times ``scale`` (chosen so that the workers' contributions average to it)."""
+        store = self._slots["momentum"]
+        u = store.get(index, layout, n, device, create=False)
+        if u is not None:
+            return u
+        u = store.get(index, layout, n, device)
+        assert u is not None
+        glob = self._slots["dense_momentum"].pop(index, layout, n, device)
+        if glob is not None:
+            u.copy_(glob).mul_(scale)
+        return u
+
+    def _dense(self, buf: torch.Tensor, dtype: torch.dtype, sync: bool,
+               post: Any = None) -> torch.Tensor | torch.futures.Future:
         world = self.world_size
         # Divide first (as torch's fp16 hook does) so half-precision sums cannot overflow.
         send = buf.div(world) if dtype == buf.dtype else buf.to(dtype).div_(world)
@@ -263,11 +446,14 @@ class CommHook:
             self.bytes_inter_node += nbytes
         if sync:
             dist.all_reduce(send)
-            return send.to(buf.dtype)
+            out = send.to(buf.dtype)
+            return post(out) if post is not None else out
         fut = dist.all_reduce(send, async_op=True).get_future()
 
         def finish(f: torch.futures.Future) -> torch.Tensor:
             res = f.value()[0]
+            if post is not None:
+                return post(res.to(buf.dtype))
             if res.dtype != buf.dtype:
                 buf.copy_(res)
                 return buf
@@ -275,16 +461,75 @@ class CommHook:
 
         return fut.then(finish)
 
-    def _sparsify(self, acc: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-        """Pack the top-k of ``acc`` as [values, indices-as-float-bits]; updates ``residual`` in place."""
-        n = acc.numel()
-        k = min(n, max(1, math.ceil(self.cfg.ratio * n)))
-        _, idx = acc.abs().topk(k, sorted=False)
-        vals = acc[idx]
+    def _accumulate(self, g: torch.Tensor, index: int, layout: Layout, n: int, lo: int, hi: int,
+                    velocity_scale: float) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """DGC's accumulation for entries [lo, hi) of a bucket: (what to sparsify, residual, velocity).
+
+        ``g`` is the local gradient of those entries (flat topk: the worker's bucket; hierarchical: its
+        node's sum over its chunk). Clipping, then velocity (momentum correction), then the residual.
+        """
+        c = self.cfg
+        if c.local_clip > 0:
+            self.clip_checks += 1
+            g, was = clip_local(g, c.local_clip, self.world_size)
+            self.clipped += int(was)
+        u = None
+        acc = g
+        if self.momentum_correction:
+            u = self._local_velocity(index, layout, n, g.device, velocity_scale)[lo:hi]
+            acc = accumulate_velocity(u, g, self.momentum, self.nesterov)
+        residual = None
+        if c.error_feedback:
+            # Accumulate in place: the residual becomes the accumulator, and _sparsify zeroes what it sends
+            # (one pass over the bucket fewer than a separate sum and copy-back).
+            residual = self._residual(index, layout, n, g.device)[lo:hi]
+            acc = residual.add_(acc)
+        return acc, residual, u
+
+    def _select(self, acc: torch.Tensor, segments: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(indices to send, None or a mask of the real ones): the top ``ratio`` of the whole of ``acc``, or,
+        with ``segments`` (per-parameter sizes, ``comm.per_layer``), of each parameter, as DGC selects per
+        layer so that a layer of small gradients is not starved by a layer of large ones in one bucket.
+        Padding entries (index 0, sent with value 0) fill up where the sampled selection found fewer."""
+        mag = acc.abs()
+        parts = [(0, acc.numel())]
+        if segments:
+            offs = [0, *itertools.accumulate(segments)]
+            parts = list(zip(offs[:-1], segments))
+        idxs, masks, padded = [], [], False
+        for off, size in parts:
+            kk = k_for(self.ratio_now, size)
+            i, pad = select(mag[off:off + size] if segments else mag, kk, self.cfg.selection, self._sel_gen,
+                            self.selection)
+            idxs.append(i + off if off else i)
+            m = torch.ones(kk, dtype=torch.bool, device=acc.device)
+            if pad:
+                m[kk - pad:] = False
+                idxs[-1][kk - pad:] = 0
+                padded = True
+            masks.append(m)
+        idx = idxs[0] if len(idxs) == 1 else torch.cat(idxs)
+        return idx, (torch.cat(masks) if padded else None)
+
+    def _sparsify(self, acc: torch.Tensor, residual: torch.Tensor | None,
+                  velocity: torch.Tensor | None = None, segments: list[int] | None = None) -> tuple[torch.Tensor, int]:
+        """Pack the top-k of ``acc`` as [values, indices-as-float-bits]; updates ``residual`` (and, with
+        momentum masking, ``velocity``) in place at the sent indices."""
+        idx, mask = self._select(acc, segments)
+        k = idx.numel()
+        vals = acc[idx].float()
+        real = idx
+        if mask is not None:
+            vals[~mask] = 0.0
+            real = idx[mask]
         if residual is not None:
-            residual.copy_(acc)
-            residual[idx] = 0.0
-        packed = torch.cat([vals.float(), idx.to(torch.int32).view(torch.float32)])
+            if residual is not acc:
+                residual.copy_(acc)
+            residual[real] = 0.0
+        if velocity is not None and self.cfg.momentum_masking:
+            velocity[real] = 0.0
+            self.masked_entries += real.numel()
+        packed = torch.cat([vals, idx.to(torch.int32).view(torch.float32)])
         return packed, k
 
     @staticmethod
@@ -294,80 +539,78 @@ class CommHook:
             out.index_add_(0, p[k:].view(torch.int32).long(), p[:k])
         return out
 
-    def _topk(self, buf: torch.Tensor, layout: Layout, index: int) -> torch.Tensor:
-        world = self.world_size
-        acc = buf.float()
-        residual = None
-        if self.cfg.error_feedback:
-            residual = self._residual(index, layout, buf.numel(), buf.device)
-            acc = acc + residual
-        packed, k = self._sparsify(acc, residual)
-        parts = [torch.empty_like(packed) for _ in range(world)]
-        dist.all_gather(parts, packed)
+    def _gather(self, packed: torch.Tensor, size: int, group: Any, sync: bool,
+                finish: Any) -> torch.Tensor | torch.futures.Future:
+        """All-gather ``packed`` and return ``finish(parts)``; asynchronously (a future) unless ``sync``, so
+        DDP's backward goes on computing while the collective runs, as it does for dense buckets."""
+        parts = [torch.empty_like(packed) for _ in range(size)]
+        if sync:
+            dist.all_gather(parts, packed, group=group)
+            return finish(parts)
+        fut = dist.all_gather(parts, packed, group=group, async_op=True).get_future()
+
+        def done(f: torch.futures.Future) -> torch.Tensor:
+            f.wait()  # re-raises a failed collective instead of finishing on unfilled buffers
+            return finish(parts)
+
+        return fut.then(done)
+
+    def _topk(self, buf: torch.Tensor, layout: Layout, index: int, sync: bool) -> torch.Tensor | torch.futures.Future:
+        world, n = self.world_size, buf.numel()
+        acc, residual, u = self._accumulate(buf.float(), index, layout, n, 0, n, 1.0)
+        segments = [numel for _, numel in layout] if self.cfg.per_layer and len(layout) > 1 else None
+        packed, k = self._sparsify(acc, residual, u, segments)
         nbytes = allgather_bytes(packed.numel() * 4, world)
         self.bytes_sent += nbytes
         if self.topology.num_nodes > 1:
             self.bytes_inter_node += nbytes
-        out = self._scatter_sum(parts, k, buf.numel(), buf.device).div_(world)
-        return out.to(buf.dtype)
+        def finish(parts: list[torch.Tensor]) -> torch.Tensor:
+            return self._scatter_sum(parts, k, n, buf.device).div_(world).to(buf.dtype)
 
-    def _hierarchical(self, buf: torch.Tensor, layout: Layout, index: int) -> torch.Tensor:
+        return self._gather(packed, world, None, sync, finish)
+
+    def _hierarchical(self, buf: torch.Tensor, layout: Layout, index: int,
+                      sync: bool) -> torch.Tensor | torch.futures.Future:
         world, m, nodes = self.world_size, self._node_size, self._num_nodes
         n = buf.numel()
         node_sum = buf.float().clone()
+        # The node sum and the cross-node exchange are synchronous (each feeds the next step of this
+        # bucket); the closing all-gather inside the node runs asynchronously unless ``sync``.
         dist.all_reduce(node_sum, group=self._node_group)
         self.bytes_sent += ring_allreduce_bytes(n * 4, m)
         c = math.ceil(n / m)
         lo, hi = min(n, self._local_index * c), min(n, (self._local_index + 1) * c)
         padded = torch.zeros(c, dtype=torch.float32, device=buf.device)
         if hi > lo:  # all members of a cross group share local index, hence the same chunk length
-            acc = node_sum[lo:hi]
-            residual = None
-            if self.cfg.error_feedback:
-                residual = self._residual(index, layout, n, buf.device)[lo:hi]
-                acc = acc + residual
-            packed, k = self._sparsify(acc, residual)
+            # Each node's velocity is built from its node sum; M times the global velocity per node makes
+            # the nodes' contributions, divided by the world size, average to it.
+            acc, residual, u = self._accumulate(node_sum[lo:hi], index, layout, n, lo, hi, float(m))
+            packed, k = self._sparsify(acc, residual, u)
             parts = [torch.empty_like(packed) for _ in range(nodes)]
             dist.all_gather(parts, packed, group=self._cross_group)
             nbytes = allgather_bytes(packed.numel() * 4, nodes)
             self.bytes_sent += nbytes
             self.bytes_inter_node += nbytes
             padded[: hi - lo] = self._scatter_sum(parts, k, hi - lo, buf.device).div_(world)
-        chunks = [torch.empty_like(padded) for _ in range(m)]
-        dist.all_gather(chunks, padded, group=self._node_group)
         self.bytes_sent += allgather_bytes(c * 4, m)
-        ordered = [chunks[self._node_chunk_of_member.index(j)] for j in range(m)]
-        return torch.cat(ordered)[:n].to(buf.dtype)
 
-    # --- residual storage -------------------------------------------------------------------
+        def finish(chunks: list[torch.Tensor]) -> torch.Tensor:
+            ordered = [chunks[self._node_chunk_of_member.index(j)] for j in range(m)]
+            return torch.cat(ordered)[:n].to(buf.dtype)
+
+        return self._gather(padded, m, self._node_group, sync, finish)
+
+    # --- per-parameter state (residuals, velocities) ----------------------------------------------
     def _residual(self, index: int, layout: Layout, n: int, device: torch.device) -> torch.Tensor:
-        entry = self._flat.get(index)
-        if entry is not None and entry[0] == layout and entry[1].numel() == n:
-            return entry[1]
-        if entry is not None:
-            self._flush()  # DDP rebuilt its buckets: go back to per-parameter form
-        parts = []
-        for name, numel in layout:
-            r = self._pending.pop(name, None)
-            parts.append(r.reshape(-1).to(device=device, dtype=torch.float32) if r is not None and r.numel() == numel
-                         else torch.zeros(numel, dtype=torch.float32, device=device))
-        flat = torch.cat(parts) if parts else torch.zeros(n, dtype=torch.float32, device=device)
-        self._flat[index] = (list(layout), flat)
-        return flat
-
-    def _flush(self) -> None:
-        for layout, flat in self._flat.values():
-            for (name, _), piece in zip(layout, flat.split([nm for _, nm in layout])):
-                self._pending[name] = piece.clone()
-        self._flat.clear()
+        return self._slots["residual"].get(index, layout, n, device)
 
     def residuals(self) -> dict[str, torch.Tensor]:
         """Per-parameter residuals (flat, fp32, on CPU), keyed by parameter name."""
-        out = {k: v.detach().cpu().clone() for k, v in self._pending.items()}
-        for layout, flat in self._flat.values():
-            for (name, _), piece in zip(layout, flat.split([nm for _, nm in layout])):
-                out[name] = piece.detach().cpu().clone()
-        return out
+        return self._slots["residual"].per_param()
+
+    def velocities(self) -> dict[str, torch.Tensor]:
+        """Per-parameter local velocities of momentum correction (flat, fp32, on CPU)."""
+        return self._slots["momentum"].per_param()
 
     # --- checkpoint ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -379,7 +622,8 @@ class CommHook:
             "bytes_sent": self.bytes_sent, "bytes_inter_node": self.bytes_inter_node,
             "dense_bytes": self.dense_bytes, "dense_steps": self.dense_steps,
             "compressed_steps": self.compressed_steps, "force_dense": self._force_dense,
-            "residuals": self.residuals(), "powersgd": None,
+            "residuals": self.residuals(), "powersgd": None, "momentum": self.velocities(),
+            "dense_momentum": self._slots["dense_momentum"].per_param(), "selection_rng": self._sel_gen.get_state(),
         }
         if self._psgd is not None:
             # The same slots torch's PowerSGDState.__getstate__ saves (all but the process group),
@@ -403,8 +647,8 @@ class CommHook:
         self.dense_bytes = int(sd.get("dense_bytes", 0))
         self.dense_steps = int(sd.get("dense_steps", 0))
         self.compressed_steps = int(sd.get("compressed_steps", 0))
-        self._flat.clear()
-        self._pending.clear()
+        for store in self._slots.values():
+            store.clear()
         changes = []
         if int(sd["world_size"]) != world_size:
             changes.append(f"world size {sd['world_size']} -> {world_size}")
@@ -419,11 +663,17 @@ class CommHook:
         self._need_agree = True
         if changes:
             self._force_dense = self.cfg.resize_dense_steps if self.mode != "dense" else 0
+            vel = len(sd.get("momentum") or {}) + len(sd.get("dense_momentum") or {})
             self._notes.append(f"resume with {', '.join(changes)}: {len(sd['residuals'])} residuals dropped, "
-                               f"{self._force_dense} dense step(s) next")
+                               + (f"{vel} velocities dropped, " if vel else "")
+                               + f"{self._force_dense} dense step(s) next")
             return
         self._force_dense = int(sd.get("force_dense", 0))
-        self._pending = {k: v.detach().clone() for k, v in sd["residuals"].items()}
+        self._slots["residual"].load(sd["residuals"])
+        self._slots["momentum"].load(sd.get("momentum") or {})
+        self._slots["dense_momentum"].load(sd.get("dense_momentum") or {})
+        if sd.get("selection_rng") is not None:
+            self._sel_gen.set_state(sd["selection_rng"])
         if self._psgd is not None and sd.get("powersgd"):
             psgd_state = dict(sd["powersgd"])
             psgd_state["process_group"] = None
@@ -436,13 +686,43 @@ class CommHook:
             # A fresh DDP runs its first iteration on its initial (not yet rebuilt) buckets, whose
             # indices do not match the saved per-bucket memories: run that step dense.
             self._force_dense = max(self._force_dense, 1)
-        self._notes.append(f"resumed at step {self.step} with {len(self._pending)} residual tensors")
+        self._notes.append(f"resumed at step {self.step} with {len(self._slots['residual'])} residual and "
+                           f"{len(self._slots['momentum']) + len(self._slots['dense_momentum'])} velocity tensors")
 
     # --- reporting ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         return {"comm_mode": self.mode, "comm_bytes": self.bytes_sent, "comm_bytes_inter_node": self.bytes_inter_node,
                 "comm_dense_bytes": self.dense_bytes, "comm_seconds": self.comm_seconds,
-                "comm_compressed_steps": self.compressed_steps, "comm_dense_steps": self.dense_steps}
+                "comm_compressed_steps": self.compressed_steps, "comm_dense_steps": self.dense_steps,
+                "comm_ratio_now": self.ratio_now, "comm_momentum_correction": self.momentum_correction,
+                "comm_clipped_buckets": self.clipped, "comm_clip_checks": self.clip_checks,
+                "comm_masked_entries": self.masked_entries, "comm_selection": self.cfg.selection,
+                "comm_selection_calls": self.selection.calls, "comm_selection_sampled": self.selection.sampled,
+                "comm_selection_fallbacks": self.selection.fallbacks,
+                "comm_selection_padded_entries": self.selection.padded_entries}
+
+    def _dgc_summary(self) -> str:
+        """What each DGC unit and the selection did so far (a unit that changed nothing says so)."""
+        c = self.cfg
+        parts = [f"momentum correction {'on' if self.momentum_correction else 'off'}"
+                 + (f" (nesterov={self.nesterov}, momentum now {self.momentum:g})" if self.momentum_correction else "")]
+        parts.append(f"local clip {c.local_clip:g}/sqrt({self.world_size}): {self.clipped} of {self.clip_checks} "
+                     "bucket-steps clipped" if c.local_clip > 0 else "local clip off")
+        parts.append(f"momentum masking: {self.masked_entries} velocity entries zeroed"
+                     if c.momentum_masking and self.momentum_correction else "momentum masking off")
+        if c.sparsity_warmup_epochs > 0 and c.sparsity_warmup_start > c.ratio:
+            parts.append(f"sparsity warm-up {c.sparsity_warmup_start:g} -> {c.ratio:g} over "
+                         f"{c.sparsity_warmup_epochs:g} epoch(s): ratio {self.ratio_now:.4g} at epoch "
+                         f"{self.epochs_done:.2f}")
+        else:
+            parts.append("sparsity warm-up off")
+        sel = self.selection
+        what = f"{c.selection} selection{' per parameter' if c.per_layer else ''}"
+        if c.selection == "sampled":
+            what += (f": {sel.sampled} of {sel.calls} by sampled threshold, {sel.fallbacks} exact fallbacks, "
+                     f"{sel.padded_entries} padded entries")
+        parts.append(what)
+        return ", ".join(parts)
 
     def describe(self) -> str:
         """One line for the log: the mode, what it did, how much it sent against dense."""
@@ -455,6 +735,8 @@ class CommHook:
             what += f", error feedback {'on' if c.error_feedback else 'off'}"
         if self.mode != "dense":
             what += f", {c.warmup_steps} dense warm-up step(s)"
+        if self.mode in ("topk", "hierarchical_topk"):
+            what += "; " + self._dgc_summary()
         frac = f"{self.bytes_sent / self.dense_bytes:.2%} of dense" if self.dense_bytes else "n/a"
         line = (f"comm: {what}; {self.topology.describe()}; steps {self.step} "
                 f"({self.compressed_steps} compressed, {self.dense_steps} dense); sent {self.bytes_sent / 1e6:.2f} MB "
@@ -484,9 +766,20 @@ def _ddp_hook(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future:
     else:
         fut = hook._reduce(bucket.buffer(), hook._layout(bucket), bucket.index(), sync=False)
     hook.comm_seconds += time.perf_counter() - t0
+    if hook.bucket_timings is not None:
+        fut = _stamped(fut, hook.bucket_timings, bucket.index(), t0)
     if last:
         hook._end_step()
     return fut
+
+
+def _stamped(fut: torch.futures.Future, log: list, index: int, t_call: float) -> torch.futures.Future:
+    """Append (bucket, hook call, result ready) perf_counter times to ``log`` when ``fut`` completes."""
+    def stamp(f: torch.futures.Future) -> torch.Tensor:
+        log.append((index, t_call, time.perf_counter()))
+        return f.value()
+
+    return fut.then(stamp)
 
 
 # DDP checks the hook's annotations against the real classes; this module's postponed (string)

@@ -158,7 +158,8 @@ class Trainer:
                                                                 pinned_mb=cfg.comm.bucket_mb)
         self.ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                        bucket_cap_mb=self.bucket_mb, gradient_as_bucket_view=True)
-        self.comm = CommHook(cfg.comm, topology, self.device)
+        self.comm = CommHook(cfg.comm, topology, self.device, optimizer=cfg.optim.name,
+                             nesterov=cfg.optim.nesterov and cfg.optim.momentum > 0)
         self.comm.install(self.ddp)
         self.forward = dev.maybe_compile(self.ddp, cfg.model, self.device)
 
@@ -288,7 +289,8 @@ class Trainer:
         """One optimizer step on this rank's slice of the global batch; returns (lr, momentum) used."""
         c = self.counters
         lr, mom = self.sched.lr_at(c.samples_seen), self.sched.momentum_at(c.samples_seen)
-        set_lr_momentum(self.optimizer, lr, mom)
+        self.comm.begin_step(c.samples_seen / self.spec.train_size)  # epochs seen drive the sparsity warm-up
+        set_lr_momentum(self.optimizer, lr, self.comm.optimizer_momentum(mom))  # 0 under momentum correction
         x = dev.images_to_device(torch.from_numpy(batch["image"]), self.device, self.cfg.model.channels_last)
         y = torch.from_numpy(batch["label"]).to(self.device, non_blocking=True)
         with dev.autocast(self.precision, self.device):
