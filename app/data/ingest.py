@@ -300,10 +300,14 @@ def finalize_spec(spec: IngestSpec, data: Any, train_cpus: float) -> None:
     preprocessing calibration (last, so it times the level that will really serve). ``data`` is the
     config's DataConfig; ``train_cpus`` what the Train workers reserve."""
     from app.data import autotune
+    from app.report import startup
 
     spec.unit_rows = data.unit_rows or UNIT_ROWS
     if data.val_mode == "rect":
-        plan_rect_validation(spec, data.val_batch_size)
-    materialize_tiers(spec, data.memory_budget_mb, data.prepare_cpus_per_task)
-    autotune.apply(spec, concurrency=data.preprocess_concurrency, cpus=data.preprocess_cpus,
-                   unit_rows=data.unit_rows, seconds=data.autotune_seconds, train_cpus=train_cpus)
+        with startup.phase("rect_val_plan"):
+            plan_rect_validation(spec, data.val_batch_size)
+    with startup.phase("materialisation"):
+        materialize_tiers(spec, data.memory_budget_mb, data.prepare_cpus_per_task)
+    with startup.phase("calibration"):
+        autotune.apply(spec, concurrency=data.preprocess_concurrency, cpus=data.preprocess_cpus,
+                       unit_rows=data.unit_rows, seconds=data.autotune_seconds, train_cpus=train_cpus)

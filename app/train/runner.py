@@ -29,6 +29,7 @@ from app.data.ingest import (
     val_dataset,
 )
 from app.data.shard_cache import default_local_dir
+from app.report import startup
 from app.schedule import Schedule
 from app.train import state as st
 
@@ -153,9 +154,13 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
         raise FileExistsError(f"run {run_dir} already has checkpoints; pass --resume to continue it or use "
                               "another --name")
     t0 = time.time()
-    connect_ray(cfg, verbose)
-    manifest = Manifest.load(str(prepare_main(cfg)))
+    startup.reset()
+    with startup.phase("ray_start"):
+        connect_ray(cfg, verbose)
+    with startup.phase("data_prepare"):
+        manifest = Manifest.load(str(prepare_main(cfg)))
     spec, sched = build_ingest_spec(cfg, manifest)
+    setup_start = time.time()
     st.write_bytes(st.join(run_dir, "config.yaml"), yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode())
     st.write_bytes(st.join(run_dir, "classes.json"), json.dumps(list(manifest.classes)).encode())
     st.write_bytes(st.join(run_dir, "data.json"), json.dumps(
@@ -196,6 +201,8 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
 
     # One spot-notice watcher per (GPU) node, kept up to date as spot replacements join.
     keeper = WatcherKeeper(cfg.scaling, cfg.name, every_s=cfg.scaling.resize_check_s).start()
+    startup.add("trainer_setup", setup_start)
+    startup.write(local_run_dir)
     error = None
     spot: list[dict] = []
     try:

@@ -171,6 +171,7 @@ def train_loop_per_worker(config: dict) -> None:
     pos = sched.locate(counters["samples_seen"])
     window = {"t": time.time(), "wait": 0.0, "n": 0, "loss": 0.0, "steps": 0}
     metrics: dict[str, Any] = {}
+    resume_step = counters["step"]
 
     for phase_idx in range(pos.phase_index, len(cfg.schedule.phases)):
         phase = cfg.schedule.phases[phase_idx]
@@ -209,6 +210,9 @@ def train_loop_per_worker(config: dict) -> None:
                     ema.update(model)
                 counters["samples_seen"] += phase.batch_size
                 counters["step"] += 1
+                if counters["step"] == resume_step + 1:  # start-up ends here
+                    report({"event": "first_step", "step": counters["step"], "time": time.time(),
+                            "data_wait_s": window["wait"]})
                 if sample_log is not None:
                     sample_log.write(json.dumps({"samples_seen": counters["samples_seen"], "epoch": epoch,
                                                  "ids": batch["sample_id"].tolist()}) + "\n")
