@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import ray
 
-from app.data import augment
+from app.data import augment, autotune_cache
 from app.data.ingest import MAP_CPUS, UNIT_ROWS, IngestSpec, _images
 from app.data.plan import EpochPlan
 
@@ -124,7 +124,17 @@ def apply(spec: IngestSpec, *, concurrency: int = 0, cpus: float = 0.0, unit_row
                         reason=f"calibration off ({why}); defaults for the values not pinned")
     else:
         t0 = time.perf_counter()
-        choice = calibrate(spec, phase, avail, seconds, concurrency or None)
+        key = autotune_cache.key_for(spec, phase, avail, seconds, concurrency or None)
+        cached = autotune_cache.load(spec.local_dir, key)
+        if cached is not None:
+            choice = Choice(cached["concurrency"], cached["cpus"], cached["unit_rows"], cached["curve"],
+                            f"{cached['reason']}; cached from a calibration of the same data on this machine "
+                            f"at {time.strftime('%Y-%m-%d %H:%M', time.localtime(cached['measured_at']))}")
+        else:
+            choice = calibrate(spec, phase, avail, seconds, concurrency or None)
+            autotune_cache.save(spec.local_dir, key, {"concurrency": choice.concurrency, "cpus": choice.cpus,
+                                                      "unit_rows": choice.unit_rows, "curve": choice.curve,
+                                                      "reason": choice.reason})
         choice.concurrency = concurrency or choice.concurrency
         choice.cpus = cpus or choice.cpus
         choice.unit_rows = unit_rows or choice.unit_rows

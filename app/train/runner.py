@@ -31,6 +31,7 @@ from app.data.ingest import (
 from app.data.shard_cache import default_local_dir
 from app.report import startup
 from app.schedule import Schedule
+from app.train import placement
 from app.train import state as st
 
 log = logging.getLogger("lightray")
@@ -55,14 +56,18 @@ def resolve_run(cfg: Config, resume: bool = False) -> None:
         cfg.name = f"{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def connect_ray(cfg: Config, verbose: bool = False) -> None:
+def connect_ray(cfg: Config, verbose: bool = False, dashboard: bool = False) -> bool:
     """Join a running cluster if there is one, else start a local one with more logical CPUs than cores
-    (Train workers reserve CPUs; Ray Data's tasks need some left or the run stalls)."""
+    (Train workers reserve CPUs; Ray Data's tasks need some left or the run stalls). Returns True when
+    this call started the cluster (a local one, which no autoscaler grows).
+
+    ``dashboard``: start the dashboard with a local cluster. Tune needs it: it brings the State API, which
+    Ray Train needs to clean up the placement group of a trial that Tune stopped early; without it stopped
+    trials keep their CPUs and later trials wait forever. A single run does not, and the dashboard is about
+    ten processes (its head and one per module) and several hundred MB on a laptop."""
     if ray.is_initialized():
-        return
-    # The dashboard brings the State API, which Ray Train needs to clean up the placement group of a trial
-    # that Tune stopped early; without it stopped trials keep their CPUs and later trials wait forever.
-    kwargs: dict[str, Any] = {"log_to_driver": verbose, "include_dashboard": True}
+        return False
+    kwargs: dict[str, Any] = {"log_to_driver": verbose, "include_dashboard": dashboard}
     try:
         from app.report.progress import quiet_ray_logging
 
@@ -70,20 +75,21 @@ def connect_ray(cfg: Config, verbose: bool = False) -> None:
     except ImportError:
         pass
     address = cfg.scaling.ray_address
+    ncpu = cfg.scaling.ray_num_cpus or 2 * (os.cpu_count() or 1)
     if address == "local":  # always a fresh local cluster (tests, isolated runs)
-        ray.init(address="local", num_cpus=cfg.scaling.ray_num_cpus or 2 * (os.cpu_count() or 1), **kwargs)
-        return
+        ray.init(address="local", num_cpus=ncpu, **kwargs)
+        return True
     if address == "auto" and not os.environ.get("RAY_ADDRESS"):
         try:
             ray.init(address="auto", **{k: v for k, v in kwargs.items() if k != "include_dashboard"})
-            return
+            return False
         except (ConnectionError, RuntimeError, ValueError):
             pass
-        ncpu = cfg.scaling.ray_num_cpus or 2 * (os.cpu_count() or 1)
         ray.init(address="local", num_cpus=ncpu, **kwargs)
-    else:
-        ray.init(address=None if address == "auto" else address,
-                 **{k: v for k, v in kwargs.items() if k != "include_dashboard"})
+        return True
+    ray.init(address=None if address == "auto" else address,
+             **{k: v for k, v in kwargs.items() if k != "include_dashboard"})
+    return False
 
 
 def eval_resolution(cfg: Config) -> int:
@@ -156,7 +162,13 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
     t0 = time.time()
     startup.reset()
     with startup.phase("ray_start"):
-        connect_ray(cfg, verbose)
+        started_here = connect_ray(cfg, verbose)
+    lo, hi = cfg.worker_range()
+    use_gpu = cfg.scaling.use_gpu == "true" or (
+        cfg.scaling.use_gpu == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
+    request = placement.worker_request(cfg.scaling.cpus_per_worker, cfg.scaling.worker_resources, use_gpu)
+    if started_here:  # a cluster this run started has no autoscaler: a group that does not fit never will
+        placement.check_local_fit(request, lo, ray.cluster_resources())
     with startup.phase("data_prepare"):
         manifest = Manifest.load(str(prepare_main(cfg)))
     spec, sched = build_ingest_spec(cfg, manifest)
@@ -167,9 +179,6 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
         {"manifest": str(manifest.location), "train_samples": spec.train_size, "val_samples": sum(spec.val.rows),
          "phase_tiers": [p.shards.tier for p in spec.phases], "val_tier": spec.val.tier}).encode())
 
-    lo, hi = cfg.worker_range()
-    use_gpu = cfg.scaling.use_gpu == "true" or (
-        cfg.scaling.use_gpu == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
     _limit_data_resources(hi * cfg.scaling.cpus_per_worker)
     runlog = start_runlog(cfg.name, local_run_dir, cfg.report.tensorboard)
     datasets = {f"train_p{i}": partial(_train_dataset, run_dir, spec, sched, i) for i in range(len(spec.phases))}
@@ -203,6 +212,8 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
     keeper = WatcherKeeper(cfg.scaling, cfg.name, every_s=cfg.scaling.resize_check_s).start()
     startup.add("trainer_setup", setup_start)
     startup.write(local_run_dir)
+    waiting = placement.WaitReporter(request, f"{lo}-{hi}" if lo < hi else str(hi), stream=stream,
+                                     can_grow=not started_here).start()
     error = None
     spot: list[dict] = []
     try:
@@ -210,6 +221,7 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
     except Exception as exc:  # summary.json is written for failed runs too
         error = exc
     finally:
+        waiting.stop()
         spot = watcher_statuses(keeper.handles)
         keeper.stop()
         ray.get(runlog.flush.remote())

@@ -242,7 +242,7 @@ def run_search(cfg: Config, space: str | None = None, trials: int | None = None,
         (exp_dir / BASE_FILE).write_text(yaml.safe_dump(base.to_dict(), sort_keys=False))
         saved.write_text(f"# resolved from {sp.source}\n" + yaml.safe_dump(sp.to_dict(), sort_keys=False))
 
-    connect_ray(trial_base, bool(cfg.report.verbose))
+    connect_ray(trial_base, bool(cfg.report.verbose), dashboard=True)
     k, note = fit_concurrency(trial_base, sp.concurrent, ray.cluster_resources())
     print(f"tune experiment {exp_dir}\n  {sp.trials} trials, {k} at once, {sp.budget_epochs} epochs each; "
           f"{sp.searcher} + {sp.scheduler} on {sp.tune_metric} ({sp.tune_mode})\n{describe(sp)}", file=out, flush=True)
