@@ -19,7 +19,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import ray
@@ -109,9 +111,10 @@ def calibrate(spec: IngestSpec, phase: int, avail_cpus: float, seconds: float,
 
 
 def apply(spec: IngestSpec, *, concurrency: int = 0, cpus: float = 0.0, unit_rows: int = 0, seconds: float = 4.0,
-          train_cpus: float = 0.0) -> Choice:
+          train_cpus: float = 0.0, before_measure: Callable[[], Any] | None = None) -> Choice:
     """Set ``spec.map_concurrency``, ``spec.map_cpus`` and ``spec.unit_rows``: pinned values (non-zero) as
-    given, the rest calibrated (or defaults when the calibration is off or the data too small to time)."""
+    given, the rest calibrated (or defaults when the calibration is off or the data too small to time).
+    ``before_measure`` is called before a real measurement (not for a cached or skipped one)."""
     avail = data_cpus(train_cpus)
     phase = max(range(len(spec.phases)), key=lambda i: spec.phases[i].resolution)
     ph = spec.phases[phase]
@@ -131,6 +134,8 @@ def apply(spec: IngestSpec, *, concurrency: int = 0, cpus: float = 0.0, unit_row
                             f"{cached['reason']}; cached from a calibration of the same data on this machine "
                             f"at {time.strftime('%Y-%m-%d %H:%M', time.localtime(cached['measured_at']))}")
         else:
+            if before_measure is not None:
+                before_measure()
             choice = calibrate(spec, phase, avail, seconds, concurrency or None)
             autotune_cache.save(spec.local_dir, key, {"concurrency": choice.concurrency, "cpus": choice.cpus,
                                                       "unit_rows": choice.unit_rows, "curve": choice.curve,
