@@ -17,6 +17,7 @@ ROOT = pathlib.Path(__file__).parents[1]
 
 
 @pytest.mark.slow  # two real smoke runs (cold, warm) with their own Ray clusters: minutes on 2 cores
+@pytest.mark.timeout(1800)
 def test_footprint_bench_smoke_reports_peak_memory_by_kind_and_time_to_first_step():
     proc = subprocess.run([sys.executable, "-m", "bench.footprint", "--smoke-only"], cwd=ROOT, capture_output=True,
                           text=True, timeout=1500)
