@@ -76,11 +76,8 @@ def connect_ray(cfg: Config, verbose: bool = False, dashboard: bool = False) -> 
         pass
     address = cfg.scaling.ray_address
     ncpu = cfg.scaling.ray_num_cpus or 2 * (os.cpu_count() or 1)
-    # A local cluster would start one idle worker per logical CPU as the driver connects, each paying Ray's
-    # imports on cores the start-up needs; workers are started when a task or actor first asks instead.
-    local = dict(kwargs, _system_config={"prestart_worker_first_driver": False})
     if address == "local":  # always a fresh local cluster (tests, isolated runs)
-        ray.init(address="local", num_cpus=ncpu, **local)
+        ray.init(address="local", num_cpus=ncpu, **kwargs)
         return True
     if address == "auto" and not os.environ.get("RAY_ADDRESS"):
         try:
@@ -88,7 +85,7 @@ def connect_ray(cfg: Config, verbose: bool = False, dashboard: bool = False) -> 
             return False
         except (ConnectionError, RuntimeError, ValueError):
             pass
-        ray.init(address="local", num_cpus=ncpu, **local)
+        ray.init(address="local", num_cpus=ncpu, **kwargs)
         return True
     ray.init(address=None if address == "auto" else address,
              **{k: v for k, v in kwargs.items() if k != "include_dashboard"})
