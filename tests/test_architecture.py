@@ -12,10 +12,11 @@ ALLOWED = {
     "config": set(),
     "storage": set(),
     "provenance": set(),
+    "startup": set(),
     "schedule": {"config"},
-    "data": {"config", "storage"},
+    "data": {"config", "storage", "startup"},
     "report": {"config", "storage", "provenance"},
-    "train": {"config", "storage", "provenance", "schedule", "data", "report"},
+    "train": {"config", "storage", "provenance", "startup", "schedule", "data", "report"},
     "inference": {"config", "storage", "data", "train"},
     "tune": {"config", "storage", "data", "report", "train"},
 }

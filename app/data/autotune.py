@@ -19,12 +19,14 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import ray
 
-from app.data import augment
+from app.data import augment, autotune_cache
 from app.data.plan import EpochPlan
 from app.data.spec import BLOCK_ROWS, MAP_CPUS, IngestSpec
 
@@ -109,9 +111,10 @@ def calibrate(spec: IngestSpec, phase: int, avail_cpus: float, seconds: float,
 
 
 def apply(spec: IngestSpec, *, concurrency: int = 0, cpus: float = 0.0, block_rows: int = 0, seconds: float = 4.0,
-          train_cpus: float = 0.0) -> Choice:
+          train_cpus: float = 0.0, before_measure: Callable[[], Any] | None = None) -> Choice:
     """Set ``spec.map_concurrency``, ``spec.map_cpus`` and ``spec.block_rows``: pinned values (non-zero) as
-    given, the rest calibrated (or defaults when the calibration is off or the data too small to time)."""
+    given, the rest calibrated (or defaults when the calibration is off or the data too small to time).
+    ``before_measure`` is called before a real measurement (not for a cached or skipped one)."""
     avail = data_cpus(train_cpus)
     phase = max(range(len(spec.phases)), key=lambda i: spec.phases[i].resolution)
     ph = spec.phases[phase]
@@ -124,7 +127,19 @@ def apply(spec: IngestSpec, *, concurrency: int = 0, cpus: float = 0.0, block_ro
                         reason=f"calibration off ({why}); defaults for the values not pinned")
     else:
         t0 = time.perf_counter()
-        choice = calibrate(spec, phase, avail, seconds, concurrency or None)
+        key = autotune_cache.key_for(spec, phase, avail, seconds, concurrency or None)
+        cached = autotune_cache.load(spec.local_dir, key)
+        if cached is not None:
+            choice = Choice(cached["concurrency"], cached["cpus"], cached["block_rows"], cached["curve"],
+                            f"{cached['reason']}; cached from a calibration of the same data on this machine "
+                            f"at {time.strftime('%Y-%m-%d %H:%M', time.localtime(cached['measured_at']))}")
+        else:
+            if before_measure is not None:
+                before_measure()
+            choice = calibrate(spec, phase, avail, seconds, concurrency or None)
+            autotune_cache.save(spec.local_dir, key, {"concurrency": choice.concurrency, "cpus": choice.cpus,
+                                                      "block_rows": choice.block_rows, "curve": choice.curve,
+                                                      "reason": choice.reason})
         choice.concurrency = concurrency or choice.concurrency
         choice.cpus = cpus or choice.cpus
         choice.block_rows = block_rows or choice.block_rows

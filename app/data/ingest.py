@@ -147,9 +147,10 @@ def plan_rect_validation(spec: IngestSpec, batch_size: int) -> None:
                batches=len(batches), shapes=len(shapes))
 
 
-def materialize_tiers(spec: IngestSpec, budget_mb: float, num_cpus: float = 0.5) -> None:
+def materialize_tiers(spec: IngestSpec, budget_mb: float, num_cpus: float = 0.5, pending: list | None = None) -> None:
     """Put the tiers that fit ``budget_mb`` decoded into the object store (smallest first, so the most
-    tiers fit), and record which level serves each phase and validation."""
+    tiers fit), and record which level serves each phase and validation. With ``pending`` (a list) the
+    decode is started, not waited for (see :func:`shard_cache.materialize`)."""
     users: dict[tuple, list[tuple[str, TierShards]]] = {}
     for ph in spec.phases:
         users.setdefault(tuple(ph.shards.sha256), []).append((f"phase {ph.index} ({ph.resolution}px)", ph.shards))
@@ -169,12 +170,14 @@ def materialize_tiers(spec: IngestSpec, budget_mb: float, num_cpus: float = 0.5)
             continue
         if sizes[key] <= left:
             t0 = time.perf_counter()
-            refs = shard_cache.materialize(tier.uris, tier.sha256, tier.fmt, spec.local_dir, num_cpus)
+            refs = shard_cache.materialize(tier.uris, tier.sha256, tier.fmt, spec.local_dir, num_cpus, pending)
             left -= sizes[key]
             for _, t in group:
                 t.refs = refs
+            took = "decoding while the workers start" if pending is not None else \
+                f"{time.perf_counter() - t0:.1f} s"
             why = f"object store: tier {tier.tier} decoded once ({mb:.1f} MB, {len(refs)} shards, " \
-                  f"{time.perf_counter() - t0:.1f} s); later epochs skip disk and decode"
+                  f"{took}); later epochs skip disk and decode"
         else:
             why = f"node-local disk {spec.local_dir} (copied once per node from shared storage): tier " \
                   f"{tier.tier} is {mb:.1f} MB decoded, over the {left / 2**20:.1f} MB left of " \
@@ -228,9 +231,18 @@ def finalize_spec(spec: IngestSpec, data: Any, train_cpus: float) -> None:
     """The start-up steps that need the cluster, in order: rect validation plan, object-store level,
     preprocessing calibration (last, so it times the level that will really serve). ``data`` is the
     config's DataConfig; ``train_cpus`` what the Train workers reserve."""
+    from app import startup
+
     spec.block_rows = data.block_rows or BLOCK_ROWS
     if data.val_mode == "rect":
-        plan_rect_validation(spec, data.val_batch_size)
-    materialize_tiers(spec, data.memory_budget_mb, data.prepare_cpus_per_task)
-    autotune.apply(spec, concurrency=data.preprocess_concurrency, cpus=data.preprocess_cpus,
-                   block_rows=data.block_rows, seconds=data.autotune_seconds, train_cpus=train_cpus)
+        with startup.phase("rect_val_plan"):
+            plan_rect_validation(spec, data.val_batch_size)
+    # The decode into the object store overlaps the worker group's start; only a calibration, which must
+    # time the level that will serve, waits for it.
+    pending: list = []
+    with startup.phase("materialisation"):
+        materialize_tiers(spec, data.memory_budget_mb, data.prepare_cpus_per_task, pending)
+    with startup.phase("calibration"):
+        autotune.apply(spec, concurrency=data.preprocess_concurrency, cpus=data.preprocess_cpus,
+                       block_rows=data.block_rows, seconds=data.autotune_seconds, train_cpus=train_cpus,
+                       before_measure=lambda: ray.get(pending))

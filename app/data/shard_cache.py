@@ -193,15 +193,23 @@ def decoded_bytes(uris: list[str]) -> int:
     return total
 
 
-def materialize(uris: list[str], sha256s: list[str], fmt: str, local_dir: str, num_cpus: float = 0.5) -> list:
+def materialize(uris: list[str], sha256s: list[str], fmt: str, local_dir: str, num_cpus: float = 0.5,
+                pending: list | None = None) -> list:
     """Decode every shard of a tier into the object store, one task per shard; returns the refs in shard
     order once all are ready (a bad shard fails here, at start, not in the middle of an epoch). The refs
-    are owned by the caller (the run's driver): they live as long as it holds them."""
+    are owned by the caller (the run's driver): they live as long as it holds them.
+
+    With ``pending`` (a list), it does not wait: the decode runs while the rest of the start-up does (the
+    worker group starting), the small size refs are appended to ``pending`` for whoever must wait, and a
+    reader of a shard not decoded yet waits for that one shard."""
     import ray
 
     task = ray.remote(num_cpus=num_cpus, max_retries=2, num_returns=2)(_decode_task)
     pairs = [task.remote(u, s, fmt, local_dir) for u, s in zip(uris, sha256s)]
-    ray.get([size for _, size in pairs])  # surfaces errors now without pulling the pixels to the driver
+    if pending is not None:
+        pending.extend(size for _, size in pairs)
+    else:
+        ray.get([size for _, size in pairs])  # surfaces errors now without pulling the pixels to the driver
     return [ref for ref, _ in pairs]
 
 

@@ -32,8 +32,8 @@ class RunLog:
         self.tb_dir = storage.join(local_dir, "tensorboard") if tensorboard else None
         self._tb = None
         self.last: dict[str, Any] = {}
-        # Import torch's TensorBoard writer now, while the actor is fresh: a late first import of torch in
-        # this long-lived process was seen to fail to load libtorch on a 0-CPU head node.
+        # Open the TensorBoard writer now, while the actor is fresh: a late first import (torch's writer, which
+        # this once used) was seen to fail in this long-lived process on a 0-CPU head node.
         self._writer()
 
     def _writer(self, purge_step: int | None = None):

@@ -47,12 +47,12 @@ class TBLogger:
     """
 
     def __init__(self, log_dir: str, purge_step: int | None = None, flush_secs: int = 30):
-        # Imported here: torch + tensorboard cost seconds, and only rank 0 of a run needs them.
-        from torch.utils.tensorboard import SummaryWriter
+        # Imported here: tensorboard's protos cost a second, and only the run log needs them.
+        from app.report.tb_events import EventWriter
 
         self.log_dir = str(log_dir)
         os.makedirs(self.log_dir, exist_ok=True)
-        self._writer = SummaryWriter(log_dir=self.log_dir, purge_step=purge_step, flush_secs=flush_secs)
+        self._writer = EventWriter(self.log_dir, purge_step=purge_step, flush_secs=flush_secs)
 
     def scalars(self, metrics: dict[str, Any], step: int) -> list[str]:
         """Log every known numeric key of ``metrics`` at ``step``; returns the tags written."""

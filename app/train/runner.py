@@ -18,6 +18,7 @@ from typing import Any
 import ray
 import yaml
 
+from app import startup
 from app.config import Config
 from app.data.ingest import (
     IngestSpec,
@@ -31,6 +32,7 @@ from app.data.ingest import (
 from app.data.shard_cache import default_local_dir
 from app.schedule import Schedule
 from app.storage import join, write_bytes
+from app.train import placement
 from app.train.state import choose_and_record_resume, list_checkpoints
 
 log = logging.getLogger("lightray")
@@ -55,14 +57,18 @@ def resolve_run(cfg: Config, resume: bool = False) -> None:
         cfg.name = f"{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def connect_ray(cfg: Config, verbose: bool = False) -> None:
+def connect_ray(cfg: Config, verbose: bool = False, dashboard: bool = False) -> bool:
     """Join a running cluster if there is one, else start a local one with more logical CPUs than cores
-    (Train workers reserve CPUs; Ray Data's tasks need some left or the run stalls)."""
+    (Train workers reserve CPUs; Ray Data's tasks need some left or the run stalls). Returns True when
+    this call started the cluster (a local one, which no autoscaler grows).
+
+    ``dashboard``: start the dashboard with a local cluster. Tune needs it: it brings the State API, which
+    Ray Train needs to clean up the placement group of a trial that Tune stopped early; without it stopped
+    trials keep their CPUs and later trials wait forever. A single run does not, and the dashboard is about
+    ten processes (its head and one per module) and several hundred MB on a laptop."""
     if ray.is_initialized():
-        return
-    # The dashboard brings the State API, which Ray Train needs to clean up the placement group of a trial
-    # that Tune stopped early; without it stopped trials keep their CPUs and later trials wait forever.
-    kwargs: dict[str, Any] = {"log_to_driver": verbose, "include_dashboard": True}
+        return False
+    kwargs: dict[str, Any] = {"log_to_driver": verbose, "include_dashboard": dashboard}
     try:
         from app.report.progress import quiet_ray_logging
 
@@ -70,20 +76,21 @@ def connect_ray(cfg: Config, verbose: bool = False) -> None:
     except ImportError:
         pass
     address = cfg.scaling.ray_address
+    ncpu = cfg.scaling.ray_num_cpus or 2 * (os.cpu_count() or 1)
     if address == "local":  # always a fresh local cluster (tests, isolated runs)
-        ray.init(address="local", num_cpus=cfg.scaling.ray_num_cpus or 2 * (os.cpu_count() or 1), **kwargs)
-        return
+        ray.init(address="local", num_cpus=ncpu, **kwargs)
+        return True
     if address == "auto" and not os.environ.get("RAY_ADDRESS"):
         try:
             ray.init(address="auto", **{k: v for k, v in kwargs.items() if k != "include_dashboard"})
-            return
+            return False
         except (ConnectionError, RuntimeError, ValueError):
             pass
-        ncpu = cfg.scaling.ray_num_cpus or 2 * (os.cpu_count() or 1)
         ray.init(address="local", num_cpus=ncpu, **kwargs)
-    else:
-        ray.init(address=None if address == "auto" else address,
-                 **{k: v for k, v in kwargs.items() if k != "include_dashboard"})
+        return True
+    ray.init(address=None if address == "auto" else address,
+             **{k: v for k, v in kwargs.items() if k != "include_dashboard"})
+    return False
 
 
 def eval_resolution(cfg: Config) -> int:
@@ -140,16 +147,35 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
 
     run_dir, local_run_dir = _open_run_dir(cfg, resume)
     t0 = time.time()
-    connect_ray(cfg, verbose)
-    manifest = Manifest.load(str(prepare_main(cfg)))
-    spec, sched = build_ingest_spec(cfg, manifest)
-    _write_run_files(cfg, run_dir, manifest, spec)
+    startup.reset()
+    with startup.phase("ray_start"):
+        started_here = connect_ray(cfg, verbose)
     use_gpu = _use_gpu(cfg)
+    waiting = _check_placement(cfg, use_gpu, started_here, stream or sys.stdout)
+    with startup.phase("data_prepare"):
+        manifest = Manifest.load(str(prepare_main(cfg)))
+    spec, sched = build_ingest_spec(cfg, manifest)
+    setup_start = time.time()
+    _write_run_files(cfg, run_dir, manifest, spec)
     _limit_data_resources(cfg.worker_range()[1] * cfg.scaling.cpus_per_worker)
     runlog = start_runlog(cfg.name, local_run_dir, cfg.report.tensorboard)
     trainer = _build_trainer(cfg, run_dir, spec, sched, len(manifest.classes), use_gpu, callbacks)
-    error, spot = _fit(trainer, cfg, local_run_dir, runlog, stream=(stream or sys.stdout) if progress else None)
+    startup.add("trainer_setup", setup_start)
+    startup.write(local_run_dir)
+    error, spot = _fit(trainer, cfg, local_run_dir, runlog, waiting,
+                       stream=(stream or sys.stdout) if progress else None)
     return _write_result(cfg, run_dir, local_run_dir, t0, sched, use_gpu, error, spot)
+
+
+def _check_placement(cfg: Config, use_gpu: bool, started_here: bool, stream) -> placement.WaitReporter:
+    """Fail at once when a cluster this run started (no autoscaler) can never place the worker group; else a
+    reporter that says, while the group waits to be placed, what it waits for."""
+    lo, hi = cfg.worker_range()
+    request = placement.worker_request(cfg.scaling.cpus_per_worker, cfg.scaling.worker_resources, use_gpu)
+    if started_here:
+        placement.check_local_fit(request, lo, ray.cluster_resources())
+    return placement.WaitReporter(request, f"{lo}-{hi}" if lo < hi else str(hi), stream=stream,
+                                  can_grow=not started_here)
 
 
 def _open_run_dir(cfg: Config, resume: bool) -> tuple[str, str]:
@@ -208,7 +234,8 @@ def _build_trainer(cfg: Config, run_dir: str, spec: IngestSpec, sched: Schedule,
     )
 
 
-def _fit(trainer, cfg: Config, local_run_dir: str, runlog, stream) -> tuple[Exception | None, list[dict]]:
+def _fit(trainer, cfg: Config, local_run_dir: str, runlog, waiting: placement.WaitReporter,
+         stream) -> tuple[Exception | None, list[dict]]:
     """Run the trainer to its end with the progress printer (to ``stream``; None = off) and the spot-notice
     watchers around it; returns (the error it ended with, the watchers' statuses)."""
     from app.train.spot_watcher import WatcherKeeper, watcher_statuses
@@ -220,6 +247,7 @@ def _fit(trainer, cfg: Config, local_run_dir: str, runlog, stream) -> tuple[Exce
         printer = ProgressPrinter(local_run_dir, stream=stream, every_s=cfg.report.progress_every_s).start()
     # One spot-notice watcher per (GPU) node, kept up to date as spot replacements join.
     keeper = WatcherKeeper(cfg.scaling, cfg.name, every_s=cfg.scaling.resize_check_s).start()
+    waiting.start()
     error = None
     spot: list[dict] = []
     try:
@@ -227,6 +255,7 @@ def _fit(trainer, cfg: Config, local_run_dir: str, runlog, stream) -> tuple[Exce
     except Exception as exc:  # summary.json is written for failed runs too
         error = exc
     finally:
+        waiting.stop()
         spot = watcher_statuses(keeper.handles)
         keeper.stop()
         ray.get(runlog.flush.remote())

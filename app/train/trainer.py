@@ -137,6 +137,7 @@ class Trainer:
         self.metrics: dict[str, Any] = {}
         self.sample_log = None
         self.stopped = False
+        self.resume_step = 0
 
     @classmethod
     def from_train_config(cls, config: dict) -> Trainer:
@@ -224,6 +225,7 @@ class Trainer:
     def run(self) -> None:
         """Restore, then train every remaining phase; ends with the comm statistics and a barrier."""
         self.restore()
+        self.resume_step = self.counters.step  # the first step after it ends this start's start-up
         self._log_units()
         self.sample_log = self._open_sample_log()
         self.clock = time.time()
@@ -268,6 +270,9 @@ class Trainer:
         for step in range(first_step, last + 1):
             batch = self._next_batch(batches, epoch)
             lr, mom = self.train_step(batch, run)
+            if self.counters.step == self.resume_step + 1:
+                self.report({"event": "first_step", "step": self.counters.step, "time": time.time(),
+                             "data_wait_s": self.window["wait"]})
             self._log_samples(batch, epoch)
             if self.counters.step % self.cfg.report.every_steps == 0:
                 self._report_window(epoch, run, lr, mom)

@@ -267,7 +267,7 @@ def _start_cluster(cfg: Config, trial_base: Config, sp: SearchSpace, exp_dir: pa
     from app.data.prepare import prepare_main
     from app.train.runner import connect_ray
 
-    connect_ray(trial_base, bool(cfg.report.verbose))
+    connect_ray(trial_base, bool(cfg.report.verbose), dashboard=True)
     k, note = fit_concurrency(trial_base, sp.concurrent, ray.cluster_resources())
     print(f"tune experiment {exp_dir}\n  {sp.trials} trials, {k} at once, {sp.budget_epochs} epochs each; "
           f"{sp.searcher} + {sp.scheduler} on {sp.tune_metric} ({sp.tune_mode})\n{describe(sp)}", file=out, flush=True)

@@ -1,0 +1,57 @@
+"""The preprocessing calibration is measured once per data and machine: a second start-up on the same
+shards reuses the stored answer instead of timing again, and a change of data or machine misses."""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+from app.data import autotune, autotune_cache
+from bench.pipeline import make_source
+
+
+def _spec(tmp_path):
+    from app.data.ingest import IngestSpec, PhaseSpec, tier_shards
+    from app.data.manifest import Manifest
+    from app.data.prepare import prepare
+
+    src = make_source(tmp_path / "src", n_train=96, n_val=12, classes=3, size=(40, 30))
+    m = Manifest.load(str(prepare(str(src), str(tmp_path / "cache"), [24], raw_max_resolution=0, shard_rows=32)))
+    spec = IngestSpec(seed=1, local_dir=str(tmp_path / "local"), train_size=m.num_samples("train"),
+                      phases=[PhaseSpec(0, 24, 24, 0.35, 0, 1, tier_shards(m, "train", 24))],
+                      val=tier_shards(m, "val", 24), eval_resolution=24, val_crop_ratio=0.875)
+    spec.train_size = autotune.MIN_CALIBRATION_SAMPLES  # enough samples to be worth calibrating
+    return spec
+
+
+def test_second_start_reuses_the_calibration_of_the_same_data_on_this_machine(tmp_path, ray_local):
+    spec = _spec(tmp_path)
+    t0 = time.perf_counter()
+    first = autotune.apply(spec, seconds=1.0, train_cpus=1.0)
+    measured_s = time.perf_counter() - t0
+    assert first.curve and "cached" not in first.reason
+    again = _spec(tmp_path)  # a new run: same shards, same machine
+    t0 = time.perf_counter()
+    second = autotune.apply(again, seconds=1.0, train_cpus=1.0)
+    cached_s = time.perf_counter() - t0
+    assert "cached from a calibration" in second.reason, second.reason
+    assert (second.concurrency, second.cpus, second.unit_rows, second.curve) == \
+        (first.concurrency, first.cpus, first.unit_rows, first.curve)
+    assert (again.map_concurrency, again.map_cpus, again.unit_rows) == (first.concurrency, first.cpus,
+                                                                        first.unit_rows)
+    assert cached_s < measured_s / 2, (cached_s, measured_s)
+
+
+def test_calibration_cache_misses_for_other_data_or_another_machine(tmp_path, ray_local):
+    spec = _spec(tmp_path)
+    key = autotune_cache.key_for(spec, 0, 2.0, 1.0, None)
+    assert autotune_cache.load(spec.local_dir, key) is None
+    autotune_cache.save(spec.local_dir, key, {"concurrency": 2, "cpus": 1.0, "unit_rows": 64, "curve": [],
+                                              "reason": "r"})
+    assert autotune_cache.load(spec.local_dir, key)["concurrency"] == 2
+    assert key["machine"]["cluster_cpus"] == ray.cluster_resources()["CPU"]
+    other_machine = dict(key, machine=dict(key["machine"], cores=key["machine"]["cores"] + 1))
+    assert autotune_cache.load(spec.local_dir, other_machine) is None
+    spec.phases[0].shards.sha256 = ["0" * 64] * len(spec.phases[0].shards.sha256)  # other shards
+    assert autotune_cache.load(spec.local_dir, autotune_cache.key_for(spec, 0, 2.0, 1.0, None)) is None

@@ -1,0 +1,67 @@
+"""A worker group that cannot be placed: on a local cluster this run started, the command stops at once with
+status 2 and one line; the check itself on the resources it compares."""
+
+from __future__ import annotations
+
+import io
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+from app.config import ConfigError
+from app.train import placement
+
+ROOT = pathlib.Path(__file__).parents[1]
+
+
+def test_gpu_workers_on_a_local_cluster_without_gpus_exit_2_with_one_line(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the request fits")
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "app/run.py", "--gpu", "true", "--smoke-test", "--storage", str(tmp_path),
+                           "--name", "gpu", "--scaling.ray_address=local"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    took = time.time() - t0
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    errors = [s for s in proc.stderr.splitlines() if s.startswith("lightray: error:")]
+    assert len(errors) == 1, proc.stderr[-2000:]
+    assert "2 workers x {CPU: 0.5, GPU: 1} cannot be placed" in errors[0]
+    assert "no autoscaler" in errors[0] and "--gpu false" in errors[0]
+    # It stops before the data and the trainer: no training started, no checkpoint, no summary.
+    assert not (tmp_path / "gpu" / "summary.json").exists()
+    assert not list(tmp_path.rglob("metrics.jsonl"))
+    assert took < 300, took
+
+
+def test_local_fit_check_names_the_missing_resource():
+    req = placement.worker_request(0.5, {}, use_gpu=True)
+    assert req == {"CPU": 0.5, "GPU": 1.0}
+    with pytest.raises(ConfigError, match=r"short by \{GPU: 2\}"):
+        placement.check_local_fit(req, 2, {"CPU": 4.0, "memory": 1e9})
+    with pytest.raises(placement.PlacementError, match=r"short by \{CPU: 2\}.*fewer --workers"):
+        placement.check_local_fit(placement.worker_request(1.0, {}, False), 6, {"CPU": 4.0})
+    placement.check_local_fit(placement.worker_request(0.5, {}, False), 2, {"CPU": 4.0})  # fits: no error
+    placement.check_local_fit(req, 2, {"CPU": 4.0, "GPU": 2.0})
+
+
+def test_wait_reporter_says_what_a_pending_group_waits_for(ray_local):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    out = io.StringIO()
+    pg = placement_group([{"CPU": 1.0, "GPU": 1.0}], strategy="PACK")  # this cluster has no GPU: pending
+    rep = placement.WaitReporter({"CPU": 1.0, "GPU": 1.0}, "1", every_s=0.5, stream=out, can_grow=False).start()
+    try:
+        deadline = time.time() + 30
+        while rep.lines == 0 and time.time() < deadline:
+            time.sleep(0.2)
+    finally:
+        rep.stop()
+        remove_placement_group(pg)
+    text = out.getvalue()
+    assert "waiting for the worker group: 1 workers x {CPU: 1, GPU: 1}" in text, text
+    assert "in total" in text and "free" in text and "nothing will add nodes" in text
