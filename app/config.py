@@ -151,12 +151,17 @@ _section = with_config(ConfigDict(extra="forbid"))
 @_section
 @dataclass
 class Phase:
-    """One stage of progressive resizing: applies to epochs before ``until_epoch``."""
+    """One stage of progressive resizing: applies to epochs before its end.
 
-    until_epoch: Int
-    resolution: Int
-    batch_size: Int
+    The end is ``until`` (a fraction of the budget in (0, 1], so a recipe stretches with
+    ``schedule.epochs``) or ``until_epoch`` (an absolute epoch); a recipe gives one kind for every phase.
+    0 means "not given"; app/schedule.py resolves both to whole epochs."""
+
+    until_epoch: Int = 0
+    resolution: Int = 0
+    batch_size: Int = 0
     min_scale: Float = 0.35
+    until: Annotated[Float, Range(0.0, 1.0)] = 0.0
 
 
 @_section
@@ -244,6 +249,8 @@ class OptimConfig:
 class ScheduleConfig:
     epochs: Annotated[Int, Range(1, 10000)] = 8
     warmup_epochs: Annotated[Float, Range(0.0, 10000)] = 1.0
+    # warm-up as a fraction of the budget; > 0 replaces warmup_epochs (setting one key clears the other)
+    warmup: Annotated[Float, Range(0.0, 1.0)] = 0.0
     warmup_start_factor: Annotated[Float, Range(0.0, 1.0)] = 0.1
     decay: Annotated[Str, OneOf("linear", "cosine", "poly", "step", "none")] = "cosine"
     poly_power: Float = 2.0
@@ -254,7 +261,7 @@ class ScheduleConfig:
     phases: Annotated[list[Phase], BeforeValidator(_yaml_list)] = field(
         default_factory=lambda: [Phase(until_epoch=8, resolution=64, batch_size=256)]
     )
-    eval_resolution: Annotated[Int, Range(0, 2048)] = 0  # 0 = the last phase's resolution
+    eval_resolution: Annotated[Int, Range(0, 2048)] = 0  # 0 = default_eval_resolution (FixRes rule)
     tta_flip: Bool = False
 
 
@@ -329,6 +336,8 @@ class ReportConfig:
     verbose: Bool = False
     # console progress poll interval (ProgressPrinter every_s)
     progress_every_s: Annotated[Float, Range(0.05, 3600.0)] = 1.0
+    # test resolutions scored at the end of a run (FixRes check); [] = none
+    eval_sweep: Annotated[list[Int], BeforeValidator(_yaml_list)] = field(default_factory=list)
 
 
 @_section
@@ -488,6 +497,9 @@ def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
             node[p] = child
         node = child
     node[parts[-1]] = value
+    if dotted in ALTERNATIVES:
+        other, cleared = ALTERNATIVES[dotted]
+        node[other.split(".")[-1]] = cleared
 
 
 def load_config(recipe: str = "demo", overrides: dict[str, Any] | None = None) -> Config:
@@ -500,6 +512,11 @@ def load_config(recipe: str = "demo", overrides: dict[str, Any] | None = None) -
     if not isinstance(raw, dict):
         raise ConfigError(f"--config: {path} must hold a mapping of sections, got {type(raw).__name__}")
     raw.setdefault("recipe", path.stem)
+    _check_alternatives(raw, str(path))
+    if isinstance(raw.get("schedule"), dict):  # a recipe's own warm-up replaces the default one
+        for key, (other, cleared) in ALTERNATIVES.items():
+            if key.split(".")[1] in raw["schedule"]:
+                raw["schedule"].setdefault(other.split(".")[1], cleared)
     tree: dict[str, Any] = {}
     for dotted, value in (overrides or {}).items():
         set_dotted(tree, dotted, value)
@@ -582,27 +599,71 @@ def _check_phases(sched: ScheduleConfig) -> None:
     phases = sched.phases
     if not phases:
         raise ConfigError("schedule.phases: bad value []; expected at least one phase")
+    fractions = phases[0].until > 0
     prev = 0.0
     for i, ph in enumerate(phases):
         key = f"schedule.phases[{i}]"
-        if ph.until_epoch <= prev:
-            raise ConfigError(f"{key}.until_epoch: bad value {ph.until_epoch!r}; expected > {prev:g} (phases in order)")
+        if ph.until > 0 and ph.until_epoch > 0:
+            raise ConfigError(f"{key}.until: give until (fraction of the budget) or until_epoch (absolute), not both")
+        if ph.until <= 0 and ph.until_epoch <= 0:
+            raise ConfigError(f"{key}.until: missing; give until (fraction of the budget, in (0, 1]) or until_epoch")
+        if (ph.until > 0) != fractions:
+            raise ConfigError(f"{key}.{'until' if ph.until > 0 else 'until_epoch'}: every phase of a recipe gives "
+                              f"the same kind of end (until fractions or until_epoch epochs), as phase 0 does")
+        end = ph.until if fractions else ph.until_epoch
+        name = "until" if fractions else "until_epoch"
+        if end <= prev:
+            raise ConfigError(f"{key}.{name}: bad value {end!r}; expected > {prev:g} (phases in order)")
         if not 8 <= ph.resolution <= 2048:
             raise ConfigError(f"{key}.resolution: bad value {ph.resolution!r}; expected 8..2048 px")
         if ph.batch_size < 1:
             raise ConfigError(f"{key}.batch_size: bad value {ph.batch_size!r}; expected >= 1")
         if not 0.0 < ph.min_scale <= 1.0:
             raise ConfigError(f"{key}.min_scale: bad value {ph.min_scale!r}; expected in (0, 1]")
-        prev = ph.until_epoch
-    if phases[-1].until_epoch < sched.epochs:
+        prev = end
+    if fractions and phases[-1].until != 1.0:
+        raise ConfigError(f"schedule.phases[{len(phases) - 1}].until: bad value {phases[-1].until!r}; "
+                          "the last phase ends the budget: expected 1.0")
+    if not fractions and phases[-1].until_epoch < sched.epochs:
         raise ConfigError(
             f"schedule.phases[{len(phases) - 1}].until_epoch: bad value {phases[-1].until_epoch!r}; "
             f"the phases must cover schedule.epochs={sched.epochs:g}"
         )
+    if sched.warmup > 0:
+        sched.warmup_epochs = 0.0  # the fraction replaces it; the saved config then shows one warm-up
     if sched.warmup_epochs > sched.epochs:
         raise ConfigError(
             f"schedule.warmup_epochs: bad value {sched.warmup_epochs!r}; expected <= schedule.epochs"
         )
+
+
+def default_eval_resolution(sched: ScheduleConfig) -> int:
+    """``schedule.eval_resolution``, else the FixRes rule: test above the final train resolution.
+
+    Random-resized crops make objects look larger in training than in a centre crop at the same size, so
+    a network tests best somewhat above its final train resolution (Touvron et al., FixRes; FFCV trains
+    at 192 and tests at 256). The rule: round(final * 1.15 / 8) * 8 (192 -> 224, 128 -> 144), multiples
+    of 8 as tiers and kernels prefer."""
+    if sched.eval_resolution:
+        return sched.eval_resolution
+    final = sched.phases[-1].resolution
+    return max(8, round(final * EVAL_RES_FACTOR / 8) * 8)
+
+
+EVAL_RES_FACTOR = 1.15
+
+# Keys that say the same thing two ways: setting one (a recipe layer, an override, a tune param) clears the
+# other, so the last one given wins; a recipe that gives both in one mapping is a ConfigError.
+ALTERNATIVES = {"schedule.warmup": ("schedule.warmup_epochs", 0.0),
+                "schedule.warmup_epochs": ("schedule.warmup", 0.0)}
+
+
+def _check_alternatives(raw: dict[str, Any], where: str) -> None:
+    for key, (other, _) in ALTERNATIVES.items():
+        section, k = key.split(".")
+        node = raw.get(section)
+        if isinstance(node, dict) and k in node and other.split(".")[1] in node and key < other:
+            raise ConfigError(f"{key}: give {key} (fraction of the budget) or {other}, not both ({where})")
 
 
 def check_config(cfg: Config) -> None:

@@ -1,6 +1,9 @@
 """Phases (resolution, batch size) and LR/momentum curves as functions of samples seen.
 
-An epoch ``e`` belongs to the first phase whose ``until_epoch > e``; it runs ``N // B_e`` global
+A recipe writes its phase ends and warm-up as fractions of the budget (``until``, ``warmup``) or in
+absolute epochs (``until_epoch``, ``warmup_epochs``); ``resolve`` turns either into whole-epoch phase
+ranges for the run's ``schedule.epochs``, and every reader (ingest specs, the trainer, the LR curve) uses
+those ranges. An epoch ``e`` belongs to the first phase whose resolved end is ``> e``; it runs ``N // B_e`` global
 steps of ``B_e`` samples (the tail that does not fill a global batch is left out of that epoch, as
 ``DistributedSampler(drop_last=True)`` does; the epoch plan shuffles a different tail out each
 time). ``samples_seen`` therefore maps one-to-one onto (epoch, step), and every curve below is
@@ -15,9 +18,78 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from app.config import OptimConfig, Phase, ScheduleConfig
+
+
+@dataclass(frozen=True)
+class ResolvedPhase:
+    first_epoch: int
+    end_epoch: int  # exclusive; equal to first_epoch for a phase the budget leaves out
+    resolution: int
+    batch_size: int
+    min_scale: float
+    lr_peak: float  # lr_per_256 * batch / 256: the LR at the top of the curve while this phase runs
+
+
+@dataclass(frozen=True)
+class ResolvedSchedule:
+    epochs: int
+    warmup_epochs: float
+    phases: tuple[ResolvedPhase, ...]
+
+    def to_dict(self) -> dict:
+        return {"epochs": self.epochs, "warmup_epochs": self.warmup_epochs,
+                "phases": [asdict(p) for p in self.phases]}
+
+    def describe(self) -> str:
+        """The lines printed at the start of a run."""
+        lines = [f"schedule: {self.epochs} epochs, warm-up {self.warmup_epochs:g} epochs"]
+        for i, p in enumerate(self.phases):
+            span = f"epochs {p.first_epoch}-{p.end_epoch - 1}" if p.end_epoch > p.first_epoch else "no epochs"
+            lines.append(f"  phase {i}: {span}, {p.resolution}px, batch {p.batch_size}, "
+                         f"min crop scale {p.min_scale:g}, LR peak {p.lr_peak:.4g}")
+        return "\n".join(lines)
+
+
+def _round_half_up(x: float) -> int:
+    return int(math.floor(x + 0.5))
+
+
+def phase_ends(sched: ScheduleConfig) -> list[int]:
+    """Each phase's end epoch (exclusive) for ``sched.epochs``.
+
+    Fractions round half up to whole epochs; each phase then gets at least one epoch when the budget has
+    one per phase. With fewer epochs than phases the earliest phases are left out (zero epochs): the last
+    phases train at the resolution the model is tested at, which matters most for the final score."""
+    epochs, n = int(sched.epochs), len(sched.phases)
+    if sched.phases[0].until <= 0:  # absolute epochs, cut at the budget
+        return [min(int(ph.until_epoch), epochs) for ph in sched.phases]
+    ends = [_round_half_up(ph.until * epochs) for ph in sched.phases]
+    ends[-1] = epochs
+    if epochs >= n:
+        for i in range(n):  # at least one epoch each, leaving one for every later phase
+            ends[i] = min(max(ends[i], (ends[i - 1] if i else 0) + 1), epochs - (n - 1 - i))
+    else:
+        ends = [max(0, epochs - (n - 1 - i)) for i in range(n)]
+    return ends
+
+
+def warmup_epochs(sched: ScheduleConfig) -> float:
+    """Warm-up length in epochs: ``warmup`` times the budget (to 0.01 epoch, so that a recipe's rounded
+    fraction gives the whole number of epochs it stands for), else ``warmup_epochs``."""
+    return round(sched.warmup * sched.epochs, 2) if sched.warmup > 0 else float(sched.warmup_epochs)
+
+
+def resolve(sched: ScheduleConfig, optim: OptimConfig) -> ResolvedSchedule:
+    """The schedule in whole epochs for this budget (what the run prints and saves as schedule.json)."""
+    ends, first, phases = phase_ends(sched), 0, []
+    for ph, end in zip(sched.phases, ends):
+        phases.append(ResolvedPhase(first, end, ph.resolution, ph.batch_size, ph.min_scale,
+                                    optim.lr_per_256 * ph.batch_size / 256.0))
+        first = end
+    return ResolvedSchedule(int(sched.epochs), warmup_epochs(sched), tuple(phases))
 
 
 @dataclass(frozen=True)
@@ -42,6 +114,8 @@ class Schedule:
         self.optim = optim
         self.train_size = train_size
         self.epochs = int(sched.epochs)
+        self.resolved = resolve(sched, optim)
+        self.warmup_epochs = self.resolved.warmup_epochs
         self._epoch_start: list[int] = [0]  # samples seen at the start of each epoch
         for e in range(self.epochs):
             b = self.phase_for_epoch(e).batch_size
@@ -58,8 +132,8 @@ class Schedule:
         return self._epoch_start[-1]
 
     def phase_index_for_epoch(self, epoch: int) -> int:
-        for i, ph in enumerate(self.cfg.phases):
-            if epoch < ph.until_epoch:
+        for i, ph in enumerate(self.resolved.phases):
+            if epoch < ph.end_epoch:
                 return i
         return len(self.cfg.phases) - 1
 
@@ -88,11 +162,11 @@ class Schedule:
     # --- curves ----------------------------------------------------------------------------
     def lr_shape(self, progress: float) -> float:
         """Multiplier of the peak LR at ``progress`` epochs."""
-        c = self.cfg
-        if c.warmup_epochs > 0 and progress < c.warmup_epochs:
-            return c.warmup_start_factor + (1 - c.warmup_start_factor) * progress / c.warmup_epochs
-        span = max(1e-12, self.epochs - c.warmup_epochs)
-        t = min(1.0, max(0.0, (progress - c.warmup_epochs) / span))
+        c, warm = self.cfg, self.warmup_epochs
+        if warm > 0 and progress < warm:
+            return c.warmup_start_factor + (1 - c.warmup_start_factor) * progress / warm
+        span = max(1e-12, self.epochs - warm)
+        t = min(1.0, max(0.0, (progress - warm) / span))
         lo = c.final_lr_factor
         if c.decay == "linear":
             return lo + (1 - lo) * (1 - t)

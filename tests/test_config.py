@@ -54,8 +54,46 @@ def test_dotted_overrides_reach_the_typed_config():
 
 
 def test_phases_must_cover_the_epochs():
+    # Absolute phase ends (until_epoch) do not stretch: a budget past the last one is an error.
     with pytest.raises(ConfigError, match="cover schedule.epochs"):
-        load_config("demo", {"schedule.epochs": 20})
+        load_config("demo", {"schedule.epochs": 20, "schedule.phases": "[{until_epoch: 16, resolution: 32, "
+                                                                         "batch_size: 128}]"})
+
+
+def test_fraction_phases_stretch_to_any_budget():
+    cfg = load_config("demo", {"schedule.epochs": 20})
+    assert cfg.schedule.epochs == 20 and cfg.schedule.phases[-1].until == 1.0
+
+
+@pytest.mark.parametrize("phases, key", [
+    ("[{until: 0.5, until_epoch: 4, resolution: 32, batch_size: 8}, {until: 1.0, resolution: 32, batch_size: 8}]",
+     "schedule.phases[0].until"),
+    ("[{resolution: 32, batch_size: 8}]", "schedule.phases[0].until"),
+    ("[{until: 0.5, resolution: 32, batch_size: 8}, {until_epoch: 16, resolution: 32, batch_size: 8}]",
+     "schedule.phases[1].until_epoch"),
+    ("[{until: 0.5, resolution: 32, batch_size: 8}, {until: 0.9, resolution: 32, batch_size: 8}]",
+     "schedule.phases[1].until"),
+    ("[{until: 1.5, resolution: 32, batch_size: 8}]", "schedule.phases[0].until"),
+])
+def test_phase_end_is_one_of_until_or_until_epoch(phases, key):
+    with pytest.raises(ConfigError) as err:
+        load_config("demo", {"schedule.phases": phases})
+    assert str(err.value).startswith(key), str(err.value)
+
+
+def test_recipe_giving_both_warmups_is_an_error_naming_the_key(tmp_path):
+    p = tmp_path / "both.yaml"
+    p.write_text("schedule: {epochs: 4, warmup: 0.25, warmup_epochs: 1, phases: [{until: 1.0, resolution: 32, "
+                 "batch_size: 16}]}\n")
+    with pytest.raises(ConfigError, match=r"^schedule.warmup: .*schedule.warmup_epochs, not both"):
+        load_config(str(p))
+
+
+def test_a_later_warmup_key_replaces_the_recipes_other_one():
+    cfg = load_config("demo", {"schedule.warmup_epochs": 2})  # the demo recipe gives a fraction
+    assert cfg.schedule.warmup == 0.0 and cfg.schedule.warmup_epochs == 2
+    back = load_config("demo", {"schedule.warmup": 0.25})
+    assert back.schedule.warmup == 0.25 and back.schedule.warmup_epochs == 0.0
 
 
 def test_recipe_from_a_yaml_path(tmp_path):

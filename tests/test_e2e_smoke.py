@@ -60,3 +60,27 @@ def test_smoke_run_checkpoints_and_saves_config_and_classes(smoke_run):
     assert len(classes) == 10 and classes == sorted(classes)
     assert (run_dir / "config.yaml").is_file()
     assert "resolved config:" in proc.stdout  # printed at start
+
+
+def test_smoke_run_prints_and_saves_the_resolved_schedule(smoke_run):
+    run_dir, proc = smoke_run
+    sched = json.loads((run_dir / "schedule.json").read_text())
+    # smoke.yaml: 2 epochs, phases end at 0.5 and 1.0 of the budget, warm-up 0.25 of it
+    assert sched["epochs"] == 2 and sched["warmup_epochs"] == 0.5
+    assert [(p["first_epoch"], p["end_epoch"], p["resolution"], p["batch_size"]) for p in sched["phases"]] == [
+        (0, 1, 32, 64), (1, 2, 48, 32)]
+    assert sched["phases"][1]["lr_peak"] == 0.4 * 32 / 256 and sched["eval_resolution"] == 48
+    assert "phase 1: epochs 1-1, 48px, batch 32" in proc.stdout
+
+
+def test_smoke_run_reports_time_to_top5_target_and_the_eval_sweep(smoke_run):
+    run_dir, _ = smoke_run
+    summary = json.loads((run_dir / "summary.json").read_text())
+    # smoke.yaml's top-5 target 0.3 sits below chance (0.5 over 10 classes): reached at the first validation
+    assert summary["time_to_top5_target_s"]["0.3"] > 0
+    assert summary["time_to_top5_target_s"]["0.3"] <= summary["train_time_s"]
+    assert set(summary["eval_sweep"]) == {"40", "56"}
+    assert all(0.0 <= r["top1"] <= r["top5"] <= 1.0 for r in summary["eval_sweep"].values())
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    sweep = [e for e in events if e.get("event") == "eval_sweep"]
+    assert len(sweep) == 1 and sweep[0]["eval_resolution"] == 48

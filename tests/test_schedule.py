@@ -7,7 +7,7 @@ import math
 import pytest
 
 from app.config import OptimConfig, Phase, ScheduleConfig
-from app.schedule import Schedule
+from app.schedule import Schedule, phase_ends, resolve, warmup_epochs
 
 N = 1000  # training samples
 
@@ -166,3 +166,60 @@ def test_imagenet_recipes_load_and_scale_lr_with_each_phase_batch(recipe, arch, 
         b = s.phase_for_epoch(e).batch_size
         start = s.epoch_start(e)
         assert s.lr_at(start) == pytest.approx(cfg.optim.lr_per_256 * b / 256 * s.lr_shape(float(e)))
+
+
+# --- budget-relative schedules: fractions of schedule.epochs resolve to whole epochs -----------------------
+def _fractions(epochs: int, ends: list[float], **kw) -> ScheduleConfig:
+    return ScheduleConfig(epochs=epochs, phases=[Phase(resolution=32 + 16 * i, batch_size=64, until=u)
+                                                 for i, u in enumerate(ends)], **kw)
+
+
+@pytest.mark.parametrize("epochs, expected", [
+    (4, [(0, 2), (2, 3), (3, 4)]),  # 1.5 rounds half up to 2
+    (8, [(0, 3), (3, 6), (6, 8)]),
+    (16, [(0, 6), (6, 12), (12, 16)]),
+    (32, [(0, 12), (12, 24), (24, 32)]),
+])
+def test_fractions_stretch_with_the_budget(epochs, expected):
+    resolved = resolve(_fractions(epochs, [0.375, 0.75, 1.0]), OptimConfig(lr_per_256=0.4))
+    assert [(p.first_epoch, p.end_epoch) for p in resolved.phases] == expected
+    assert resolved.epochs == epochs
+
+
+def test_rounding_gives_every_phase_at_least_one_epoch():
+    # 0.05 * 10 = 0.5 rounds half up to 1; 0.1 * 10 = 1 would leave phase 1 empty, so it is pushed to 2.
+    ends = phase_ends(_fractions(10, [0.05, 0.1, 1.0]))
+    assert ends == [1, 2, 10]
+    # 0.95 * 4 rounds to 4, but the last phase still needs one epoch.
+    assert phase_ends(_fractions(4, [0.5, 0.95, 1.0])) == [2, 3, 4]
+
+
+def test_budget_shorter_than_the_phases_leaves_out_the_earliest():
+    resolved = resolve(_fractions(2, [0.375, 0.75, 1.0]), OptimConfig())
+    assert [(p.first_epoch, p.end_epoch) for p in resolved.phases] == [(0, 0), (0, 1), (1, 2)]
+    s = Schedule(_fractions(2, [0.375, 0.75, 1.0]), OptimConfig(), N)
+    assert [s.phase_index_for_epoch(e) for e in range(2)] == [1, 2]
+
+
+def test_warmup_fraction_scales_with_the_budget_and_absolute_epochs_stay():
+    assert warmup_epochs(_fractions(16, [1.0], warmup=0.0625)) == 1.0
+    assert warmup_epochs(_fractions(32, [1.0], warmup=0.0625)) == 2.0
+    assert warmup_epochs(_fractions(28, [1.0], warmup=0.1786)) == 5.0  # a rounded recipe fraction
+    assert warmup_epochs(ScheduleConfig(epochs=32, warmup_epochs=1.5)) == 1.5
+    s = Schedule(_fractions(8, [1.0], warmup=0.25, warmup_start_factor=0.0, decay="none"), OptimConfig(), N)
+    assert s.lr_shape(1.0) == pytest.approx(0.5)  # halfway through a 2-epoch warm-up
+
+
+def test_explicit_until_epoch_still_sets_absolute_phases():
+    resolved = resolve(ScheduleConfig(epochs=10, phases=[Phase(4, 32, 64), Phase(12, 48, 32)]),
+                       OptimConfig(lr_per_256=0.4))
+    assert [(p.first_epoch, p.end_epoch) for p in resolved.phases] == [(0, 4), (4, 10)]
+    assert [p.lr_peak for p in resolved.phases] == pytest.approx([0.4 * 64 / 256, 0.4 * 32 / 256])
+
+
+def test_resolved_schedule_describes_each_phase():
+    resolved = resolve(_fractions(8, [0.375, 0.75, 1.0], warmup=0.0625), OptimConfig(lr_per_256=0.4))
+    text = resolved.describe()
+    assert "8 epochs, warm-up 0.5 epochs" in text
+    assert "phase 2: epochs 6-7, 64px, batch 64" in text
+    assert resolved.to_dict()["phases"][1]["end_epoch"] == 6

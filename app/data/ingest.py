@@ -20,6 +20,7 @@ How the pieces meet Ray Train:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any
@@ -224,7 +225,22 @@ class PlanDataConfig(ray.train.DataConfig):
         if name == "val":
             return val_block_batch, {"spec": self.spec, "rank": rank, "world_size": world_size,
                                     "resolution": self.spec.eval_resolution}
+        if name.startswith("val_r"):  # one resolution of the end-of-run eval sweep
+            sub = self.spec.sweep[int(name.removeprefix("val_r"))]
+            return val_block_batch, {"spec": sub, "rank": rank, "world_size": world_size,
+                                    "resolution": sub.eval_resolution}
         return None
+
+
+def add_eval_sweep(spec: IngestSpec, resolutions: list[int], val_tiers: dict[int, TierShards], data: Any) -> None:
+    """One validation spec per sweep resolution, read from ``val_tiers[r]`` (a stored tier, resized on the
+    fly); rectangular validation is planned again at each resolution. Call after ``finalize_spec``."""
+    for r in sorted(set(resolutions)):
+        sub = dataclasses.replace(spec, val=val_tiers[r], eval_resolution=r, val_mode="center", val_order=None,
+                                  val_batches=[], events=[], sweep={})
+        if data.val_mode == "rect":
+            plan_rect_validation(sub, data.val_batch_size)
+        spec.sweep[r] = sub
 
 
 def finalize_spec(spec: IngestSpec, data: Any, train_cpus: float) -> None:

@@ -469,12 +469,16 @@ def resolve_cache_root(cfg: Config) -> str:
 
 
 def tiers_for(cfg: Config) -> list[int]:
-    """``data.tiers``, else every phase's resolution plus the eval resolution."""
+    """``data.tiers``, else every phase's resolution plus the eval resolution.
+
+    ``report.eval_sweep`` adds no tiers: each sweep resolution is scored from the nearest tier at or above
+    it (else the largest), resized on the fly, so a sweep never costs another pass over the source."""
+    from app.config import default_eval_resolution
+
     if cfg.data.tiers:
         return sorted(set(cfg.data.tiers))
     phases = cfg.schedule.phases
-    eval_res = cfg.schedule.eval_resolution or phases[-1].resolution
-    return sorted({p.resolution for p in phases} | {eval_res})
+    return sorted({p.resolution for p in phases} | {default_eval_resolution(cfg.schedule)})
 
 
 def prepare_main(cfg: Config) -> pathlib.Path | str:

@@ -75,6 +75,8 @@ class IngestSpec:
     val_order: np.ndarray | None = None  # rect: val rows (global index) sorted by aspect ratio
     val_batches: list[dict] = field(default_factory=list)  # rect: {start, end, width, height} into val_order
     events: list[dict] = field(default_factory=list)  # unit events (data_cache, preprocess_autotune) to log
+    # report.eval_sweep: resolution -> a copy of this spec whose validation runs at that resolution
+    sweep: dict[int, IngestSpec] = field(default_factory=dict)
 
     def event(self, unit: str, message: str, **fields: Any) -> None:
         log.info("%s: %s", unit, message)

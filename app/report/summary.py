@@ -90,6 +90,7 @@ def write_summary(cfg: Config, run_dir: str, local_run_dir: str, records: list[d
         "train_images_per_s": sum(speeds) / len(speeds) if speeds else None,
         "time_to_target_s": time_to_targets(vals, cfg.report.targets),
         "time_to_top5_target_s": time_to_targets(vals, cfg.report.top5_targets, "val_top5"),
+        "eval_sweep": next((e for e in reversed(events) if e["event"] == "eval_sweep"), {}).get("results", {}),
         "restarts": sum(1 for e in events if e["event"] == "restart"),
         "resizes": sum(1 for e in events if e["event"] == "resize"),
         "preemption_checkpoints": sum(1 for e in events if e["event"] == "preemption_checkpoint"),

@@ -19,10 +19,11 @@ import ray
 import yaml
 
 from app import startup
-from app.config import Config
+from app.config import Config, default_eval_resolution
 from app.data.ingest import (
     IngestSpec,
     PhaseSpec,
+    add_eval_sweep,
     finalize_spec,
     make_blocks_dataset,
     phase_blocks,
@@ -94,28 +95,33 @@ def connect_ray(cfg: Config, verbose: bool = False, dashboard: bool = False) -> 
 
 
 def eval_resolution(cfg: Config) -> int:
-    return cfg.schedule.eval_resolution or cfg.schedule.phases[-1].resolution
+    return default_eval_resolution(cfg.schedule)
 
 
 def build_ingest_spec(cfg: Config, manifest) -> tuple[IngestSpec, Schedule]:
     train_size = manifest.num_samples("train")
     sched = Schedule(cfg.schedule, cfg.optim, train_size)
-    phases, first = [], 0
-    for i, ph in enumerate(cfg.schedule.phases):
-        end = min(ph.until_epoch, sched.epochs)
-        phases.append(PhaseSpec(i, ph.resolution, ph.batch_size, ph.min_scale, first, end,
-                                tier_shards(manifest, "train", ph.resolution)))
-        first = end
+    phases = [PhaseSpec(i, ph.resolution, ph.batch_size, ph.min_scale, ph.first_epoch, ph.end_epoch,
+                        tier_shards(manifest, "train", ph.resolution))
+              for i, ph in enumerate(sched.resolved.phases)]
     spec = IngestSpec(seed=cfg.scaling.seed, local_dir=cfg.data.local_cache_dir or default_local_dir(),
                       train_size=train_size, phases=phases,
-                      val=tier_shards(manifest, "val", round(eval_resolution(cfg) / cfg.data.val_crop_ratio)
-                                if cfg.data.val_mode == "center" else eval_resolution(cfg)),  # rect: no crop margin
+                      val=tier_shards(manifest, "val", _val_tier_want(cfg, eval_resolution(cfg))),
                       eval_resolution=eval_resolution(cfg), val_crop_ratio=cfg.data.val_crop_ratio,
                       map_concurrency=cfg.data.preprocess_concurrency or None,
                       prefetch_batches=cfg.data.prefetch_batches)
     # Rect val plan, object-store cache level and preprocessing autotune: these run Ray tasks, so Ray is up.
     finalize_spec(spec, cfg.data, cfg.worker_range()[1] * cfg.scaling.cpus_per_worker)
+    if cfg.report.eval_sweep:
+        tiers = {r: tier_shards(manifest, "val", _val_tier_want(cfg, r)) for r in cfg.report.eval_sweep}
+        add_eval_sweep(spec, cfg.report.eval_sweep,
+                       {r: spec.val if t.tier == spec.val.tier else t for r, t in tiers.items()}, cfg.data)
     return spec, sched
+
+
+def _val_tier_want(cfg: Config, resolution: int) -> int:
+    """The stored size validation at ``resolution`` reads: a centre crop needs its margin, rect does not."""
+    return round(resolution / cfg.data.val_crop_ratio) if cfg.data.val_mode == "center" else resolution
 
 
 def _train_dataset(run_dir: str, spec: IngestSpec, sched: Schedule, phase: int):
@@ -157,6 +163,7 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
     spec, sched = build_ingest_spec(cfg, manifest)
     setup_start = time.time()
     _write_run_files(cfg, run_dir, manifest, spec)
+    _announce_schedule(sched, run_dir, eval_resolution(cfg), stream=(stream or sys.stdout) if progress else None)
     _limit_data_resources(cfg.worker_range()[1] * cfg.scaling.cpus_per_worker)
     runlog = start_runlog(cfg.name, local_run_dir, cfg.report.tensorboard)
     trainer = _build_trainer(cfg, run_dir, spec, sched, len(manifest.classes), use_gpu, callbacks)
@@ -199,6 +206,14 @@ def _write_run_files(cfg: Config, run_dir: str, manifest, spec: IngestSpec) -> N
          "phase_tiers": [p.shards.tier for p in spec.phases], "val_tier": spec.val.tier}).encode())
 
 
+def _announce_schedule(sched: Schedule, run_dir: str, eval_res: int, stream=None) -> None:
+    """Print the schedule resolved for this budget and save it as schedule.json: what the run will do."""
+    resolved = {**sched.resolved.to_dict(), "eval_resolution": eval_res}
+    write_bytes(join(run_dir, "schedule.json"), json.dumps(resolved, indent=2).encode())
+    if stream is not None:
+        print(sched.resolved.describe() + f"\n  eval at {eval_res}px", file=stream, flush=True)
+
+
 def _use_gpu(cfg: Config) -> bool:
     """``scaling.use_gpu``: "true", or "auto" when the cluster has a GPU."""
     return cfg.scaling.use_gpu == "true" or (
@@ -217,6 +232,8 @@ def _build_trainer(cfg: Config, run_dir: str, spec: IngestSpec, sched: Schedule,
     lo, hi = cfg.worker_range()
     datasets = {f"train_p{i}": partial(_train_dataset, run_dir, spec, sched, i) for i in range(len(spec.phases))}
     datasets["val"] = partial(val_dataset, spec)
+    for r, sub in spec.sweep.items():
+        datasets[f"val_r{r}"] = partial(val_dataset, sub)
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": cfg.to_dict(), "spec": spec, "run_dir": run_dir, "num_classes": num_classes},

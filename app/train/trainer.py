@@ -236,11 +236,15 @@ class Trainer:
         pos = self.sched.locate(self.counters.samples_seen)
         self.window = _new_window()
         for phase_idx in range(pos.phase_index, len(self.cfg.schedule.phases)):
+            if self.spec.phases[phase_idx].end_epoch <= self.spec.phases[phase_idx].first_epoch:
+                continue  # the budget left this phase no epochs
             self.run_phase(phase_idx, pos)
             if self.stopped:
                 self.report({"event": "stopped", "samples_seen": self.counters.samples_seen,
                              "step": self.counters.step})
                 break
+        if not self.stopped:
+            self.eval_sweep()
         self._finish()
 
     def run_phase(self, phase_idx: int, pos: Position) -> None:
@@ -382,6 +386,22 @@ class Trainer:
         return evaluate_split(self.validated_model,
                               ray.train.get_dataset_shard("val"), self.device, self.precision, self.cfg,
                               self.spec.prefetch_batches)
+
+    def eval_sweep(self) -> None:
+        """Score the final weights at each ``report.eval_sweep`` resolution (FixRes: the best test resolution
+        sits above the final train resolution); one ``eval_sweep`` event lists them all."""
+        if not self.spec.sweep:
+            return
+        model = self.ema.module if self.ema is not None else self.model
+        results = {}
+        for r in sorted(self.spec.sweep):
+            val = evaluate_split(model, ray.train.get_dataset_shard(f"val_r{r}"), self.device, self.precision,
+                                 self.cfg, self.spec.prefetch_batches)
+            results[str(r)] = {"top1": val["val_top1"], "top5": val["val_top5"]}
+        if self.rank == 0:
+            best = max(results, key=lambda k: results[k]["top1"])
+            self.report({"event": "eval_sweep", "results": results, "best_resolution": int(best),
+                         "eval_resolution": self.spec.eval_resolution})
 
     def end_epoch(self, epoch: int, run: PhaseRun) -> None:
         """Validate, report the epoch's line and checkpoint."""

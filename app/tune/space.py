@@ -396,6 +396,9 @@ def scale_batches(tree: dict[str, Any], global_batch: int) -> None:
 def apply_budget(tree: dict[str, Any], epochs: int) -> None:
     """Set schedule.epochs, cutting or stretching the phases and warm-up to fit (see the module doc)."""
     sched = tree["schedule"]
+    if sched["phases"][0].get("until", 0) > 0:  # fractions of the budget stretch by themselves
+        sched["epochs"] = epochs
+        return
     kept, start = [], 0
     for ph in sched["phases"]:
         if start >= epochs:
