@@ -107,7 +107,7 @@ def build_ingest_spec(cfg: Config, manifest) -> tuple[IngestSpec, Schedule]:
                       map_concurrency=cfg.data.preprocess_concurrency or None,
                       prefetch_batches=cfg.data.prefetch_batches)
     # Rect val plan, object-store cache level and preprocessing autotune: these run Ray tasks, so Ray is up.
-    finalize_spec(spec, cfg.data, cfg.worker_range()[1] * cfg.scaling.cpus_per_worker)
+    finalize_spec(spec, cfg.data, cfg.worker_range()[1] * cfg.scaling.cpus_per_worker, _use_gpu(cfg))
     return spec, sched
 
 
