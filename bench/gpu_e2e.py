@@ -107,9 +107,9 @@ class GpuSampler:
 def run_args(src: pathlib.Path, work: pathlib.Path, phases: list[tuple], gpus: int, dry: bool,
              raw_max: int) -> list[str]:
     """The ``python app/run.py`` command line: one epoch per phase, the dawnbench recipe's model units."""
-    phase_yaml = "[" + ", ".join(f"{{until_epoch: {i + 1}, resolution: {r}, batch_size: {b * gpus}, min_scale: {m}}}"
-                                 for i, (r, b, m) in enumerate(phases)) + "]"
     workers = max(1, gpus)
+    phase_yaml = "[" + ", ".join(f"{{until_epoch: {i + 1}, resolution: {r}, batch_size: {b * workers}, min_scale: {m}}}"
+                                 for i, (r, b, m) in enumerate(phases)) + "]"
     cores = os.cpu_count() or 1
     args = [sys.executable, "app/run.py", "--config", "imagenet-rn50-dawnbench", "--data", str(src),
             "--storage", str(work / "runs"), "--name", "e2e", "--workers", str(workers),
