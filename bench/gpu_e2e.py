@@ -171,7 +171,7 @@ def synthetic(phases: list[tuple], dry: bool) -> dict[int, float]:
         argv = ["--variants", "lightray_compile", "--arch", "resnet50", "--res", str(res), "--batch", str(b),
                 "--warmup", "10", "--steps", "20", "--windows", "2", "--classes", "100"]
         if dry:
-            argv = ["--variants", "lightray", "--cpu-dry-run", "--arch", "resnet18"]
+            argv = ["--variants", "lightray", "--cpu-dry-run", "--arch", "resnet_tiny"]  # the dry run's model
         with open(os.devnull, "w") as sink:
             stdout, sys.stdout = sys.stdout, sink  # its own JSON line is not this bench's line
             try:
@@ -221,7 +221,10 @@ def main(argv: list[str] | None = None) -> int:
                                   capture_output=True, text=True)
         figures["run_s"] = round(time.perf_counter() - t0, 1)
         if proc.returncode != 0:
-            raise SystemExit(f"gpu_e2e: app/run.py failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+            # Ray's start-up chatter buries the cause: keep the lines that name an error, then the tails.
+            errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "rror" in ln][-20:]
+            raise SystemExit(f"gpu_e2e: app/run.py failed ({proc.returncode}):\n" + "\n".join(errors)
+                             + f"\n--- stdout tail:\n{proc.stdout[-1500:]}\n--- stderr tail:\n{proc.stderr[-1500:]}")
         records = [json.loads(s) for s in (work / "runs" / "e2e" / "metrics.jsonl").read_text().splitlines() if s]
         device_phases = {r["phase"] for r in records if r.get("event") == "unit" and r.get("unit") == "augment_on"
                          and r.get("on") == "device" and "phase" in r}
