@@ -188,6 +188,8 @@ class DataConfig:
     # images per rectangular validation batch (val_mode=rect), all ranks together
     val_batch_size: Annotated[Int, Range(1, 10**6)] = 256
     prefetch_batches: Annotated[Int, Range(0, 64)] = 2
+    # where training crops run: auto = the workers' device when they use CUDA (raw tiers), else Ray Data tasks
+    augment_on: Annotated[Str, OneOf("auto", "cpu", "device")] = "auto"
     demo_seed: Int = 0
     demo_classes: Annotated[Int, Range(2, 1000)] = 10
     demo_train_per_class: Annotated[Int, Range(1, 10**6)] = 320

@@ -10,6 +10,16 @@ augmentation (random-resized-crop with scale (0.35, 1) + horizontal flip, uint8 
     also copies each shard to an empty node-local directory. Figure = images / (prepare + epoch).
 (c) ``shard``: lightray's Ray Data ingest from the node-local shard cache (the steady state).
 (d) ``object``: the same from the object-store level (tier decoded once, materialize time reported).
+(e) ``device``: device augmentation from the node-local shard cache of a raw tier (stored decoded): the tasks
+    copy each sample's window and ship its crop box and flip bit; the figure is what reaches the consumer
+    (pinned and copied to the GPU without blocking when there is one). The batched crop itself
+    (``app.train.device.crop_resize_flip``) is timed apart on the bench's device, CUDA when present, else
+    the CPU, and labelled so (``device_op_device``): on a GPU it costs the CPUs nothing.
+
+Per CPU core (``figures.per_core_img_s.<path>.<size>``, delivered images/s over the CPU budget): ``cpu_aug_shard``
+(c), ``cpu_aug_object`` (d) and ``device_aug`` (e); ``figures.cores_per_gpu.<path>`` divides a GPU's appetite
+(``--gpu-img-s``, default the synthetic ResNet-50 figure of ``bash bench/gpu_check.sh`` on one H200 at 224 px)
+by the per-core figure at ``--gpu-img-s-size``.
 
 Each lightray figure is measured over ``--epochs`` whole epochs through the real ingest (plan blocks ->
 ``PlanDataConfig`` -> ``iter_batches``), start-up included. Peak memory = the largest sum of the
@@ -38,6 +48,9 @@ from bench.common import Machine, emit, tree_pss_mb
 
 MIN_SCALE = 0.35
 BATCH = 128
+# Synthetic ResNet-50 training on one H200 (bf16, channels_last, compile, batch 256, 224 px), measured by
+# bench/gpu_check.sh: what one GPU eats when the data is already on it.
+GPU_IMG_S_H200_RN50_224 = 6319.0
 
 
 def make_source(root: str | os.PathLike, n_train: int, n_val: int = 0, classes: int = 4, size: tuple = (500, 375),
@@ -111,8 +124,9 @@ def _spec(manifest, size: int, local_dir: str, concurrency: int, epochs: int, ba
                       map_cpus=1.0, map_concurrency=concurrency, block_rows=batch)
 
 
-def lightray_epochs(spec) -> tuple[float, float, float]:
-    """(images/s, seconds, peak MB) over every epoch of the spec's single phase, as a worker consumes it."""
+def lightray_epochs(spec, to_device=None) -> tuple[float, float, float]:
+    """(images/s, seconds, peak MB) over every epoch of the spec's single phase, as a worker consumes it;
+    ``to_device(batch)`` is the consumer's copy (pinned, non-blocking), when there is a GPU to copy to."""
     from app.data.ingest import PlanDataConfig, make_blocks_dataset, phase_blocks
 
     n = 0
@@ -121,15 +135,65 @@ def lightray_epochs(spec) -> tuple[float, float, float]:
         ds = make_blocks_dataset(phase_blocks(spec, 0, 0, 0))
         it = PlanDataConfig(spec).configure({"train_p0": ds}, 1, None, None)[0]["train_p0"]
         for batch in it.iter_batches(batch_size=spec.phases[0].batch_size, batch_format="numpy", prefetch_batches=2):
+            if to_device is not None:
+                to_device(batch)
             n += len(batch["label"])
         dt = time.perf_counter() - t0
     return n / dt, dt, mem.peak
 
 
+def cuda_copy():
+    """The consumer's copy to the GPU (pinned host memory, non-blocking), or None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from app.train.device import host_to_device
+
+    device = torch.device("cuda")
+    return lambda batch: [host_to_device(torch.from_numpy(batch[k]), device) for k in ("image", "box", "flip")]
+
+
+def time_device_op(spec, size: int, batches: int = 3) -> tuple[float, str]:
+    """(images/s, device) of the batched crop+resize+flip on one delivered batch, on CUDA when present."""
+    import torch
+
+    from app.data.ingest import phase_blocks, train_block_batch
+    from app.train.device import crop_resize_flip
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    blocks = phase_blocks(spec, 0, 0, 0)[:1]
+    b = train_block_batch({k: np.array([blk[k] for blk in blocks]) for k in ("epoch", "step0", "nsteps")},
+                          spec=spec, phase=0, rank=0, world_size=1)
+    x, box, flip = (torch.from_numpy(b[k]).to(device) for k in ("image", "box", "flip"))
+    crop_resize_flip(x, box, flip, size)  # warm-up: kernel loads, allocator
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        crop_resize_flip(x, box, flip, size)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return batches * len(x) / (time.perf_counter() - t0), device.type
+
+
+def per_core(figures: dict, sizes: list[int], cores: int, gpu_img_s: float, gpu_size: int) -> None:
+    """Add ``per_core_img_s.<path>.<size>``, ``cores_per_gpu.<path>`` and the basis of the latter."""
+    paths = {"cpu_aug_shard": "shard", "cpu_aug_object": "object", "device_aug": "device"}
+    figures["per_core_img_s"] = {p: {str(s): round(figures[f"{v}_{s}px_images_per_s"] / cores, 1) for s in sizes}
+                                 for p, v in paths.items()}
+    basis = gpu_size if gpu_size in sizes else max(sizes)
+    figures["cores_per_gpu"] = {p: round(gpu_img_s / max(1e-9, figures["per_core_img_s"][p][str(basis)]), 1)
+                                for p in paths}
+    figures["cores_per_gpu_basis"] = (f"{gpu_img_s:g} img/s per GPU (--gpu-img-s; default: synthetic ResNet-50, "
+                                      f"bf16, channels_last, compile, one H200, bench/gpu_check.sh, at 224 px) over "
+                                      f"the per-core figure at {basis} px")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--images", type=int, default=3000, help="training images to generate")
-    ap.add_argument("--sizes", default="64,128", help="output sizes, px")
+    ap.add_argument("--sizes", default="128,224", help="output sizes, px")
     ap.add_argument("--epochs", type=int, default=2, help="epochs per lightray variant")
     ap.add_argument("--baseline-epochs", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a correctness run in well under a minute")
@@ -137,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=BATCH, help="images per consumer batch")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="CPU budget (cores)")
     ap.add_argument("--keep", default="", help="folder to keep the generated data in (reused when present)")
+    ap.add_argument("--gpu-img-s", type=float, default=GPU_IMG_S_H200_RN50_224,
+                    help="a GPU's training appetite, img/s (default: synthetic ResNet-50 on one H200 at 224 px)")
+    ap.add_argument("--gpu-img-s-size", type=int, default=224, help="the size the --gpu-img-s figure is at, px")
     args = ap.parse_args(argv)
     machine = Machine()
     if args.quick or args.cpu_dry_run:
@@ -147,8 +214,10 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     import ray
+    import torch
 
     from app.data import shard_cache
+    from app.data.ingest import plan_augmentation
     from app.data.manifest import Manifest
     from app.data.prepare import prepare
 
@@ -176,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
 
         DataContext.get_current().enable_progress_bars = False
         cache, local = work / "cache", work / "local"
+        shutil.rmtree(work / "cache_raw", ignore_errors=True)
         shutil.rmtree(cache, ignore_errors=True)
         shutil.rmtree(local, ignore_errors=True)
         with PeakMemory() as mem:
@@ -185,6 +255,12 @@ def main(argv: list[str] | None = None) -> int:
             prepare_s = time.perf_counter() - t0
         figures["prepare_s"] = round(prepare_s, 2)
         figures["prepare_peak_mb"] = round(mem.peak)
+        # The device path needs tiers stored decoded: a second cache of the same images with every tier raw.
+        t0 = time.perf_counter()
+        raw_manifest = Manifest.load(str(prepare(str(src), str(work / "cache_raw"), sizes,
+                                                 raw_max_resolution=max(sizes), shard_rows=256, num_cpus=1.0,
+                                                 concurrency=cores)))
+        figures["prepare_raw_s"] = round(time.perf_counter() - t0, 2)
         n = manifest.num_samples("train")
         for s in sizes:
             # (b) cold: prepare + one epoch that copies each shard to an empty node-local directory.
@@ -206,9 +282,22 @@ def main(argv: list[str] | None = None) -> int:
             figures[f"object_{s}px_images_per_s"] = round(rate, 1)
             figures[f"object_{s}px_peak_mb"] = round(peak)
             del spec
+            # (e) device augmentation: a raw tier from the node-local shard cache, the crop left to the device.
+            spec = _spec(raw_manifest, s, str(local), cores, args.epochs, batch)
+            plan_augmentation(spec, "device", torch.cuda.is_available())
+            rate, _, peak = lightray_epochs(spec, cuda_copy())
+            figures[f"device_{s}px_images_per_s"] = round(rate, 1)
+            figures[f"device_{s}px_peak_mb"] = round(peak)
+            op_rate, figures["device_op_device"] = time_device_op(spec, s)
+            figures[f"device_op_{s}px_images_per_s"] = round(op_rate, 1)
+            ratios[f"device_aug_over_cpu_aug_{s}px"] = round(rate / max(1e-9, figures[f"shard_{s}px_images_per_s"]), 2)
+            del spec
             base = figures[f"baseline_{s}px_images_per_s"]
             for v in ("cold", "shard", "object"):
                 ratios[f"{v}_over_baseline_{s}px"] = round(figures[f"{v}_{s}px_images_per_s"] / base, 2)
+        figures["device_path_device"] = ("cuda: the crop runs on the GPU" if torch.cuda.is_available() else
+                                         "cpu: no GPU here; the device path ran on the CPU device")
+        per_core(figures, sizes, cores, args.gpu_img_s, args.gpu_img_s_size)
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -216,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     emit("pipeline", figures, ratios,
          machine.finish(argv, cores=cores, images=args.images, sizes=sizes, epochs=args.epochs,
-                        baseline_epochs=args.baseline_epochs, batch=batch))
+                        baseline_epochs=args.baseline_epochs, batch=batch, gpu_img_s=args.gpu_img_s,
+                        gpu_img_s_size=args.gpu_img_s_size))
     return 0
 
 

@@ -28,3 +28,12 @@ def test_pipeline_bench_prints_one_json_line_with_every_variant():
     for v in ("cold", "shard", "object"):
         want = fig[f"{v}_32px_images_per_s"] / fig["baseline_32px_images_per_s"]
         assert res["ratios"][f"{v}_over_baseline_32px"] == pytest.approx(want, rel=0.02, abs=0.01)
+    # Per-core figures for every path, the device path labelled with the device it ran on, cores per GPU.
+    cores = res["machine"]["cores"]
+    for path, v in (("cpu_aug_shard", "shard"), ("cpu_aug_object", "object"), ("device_aug", "device")):
+        assert fig["per_core_img_s"][path]["32"] == pytest.approx(fig[f"{v}_32px_images_per_s"] / cores, abs=0.1)
+        assert fig["cores_per_gpu"][path] == pytest.approx(6319 / fig["per_core_img_s"][path]["32"], rel=0.02)
+    assert fig["device_op_32px_images_per_s"] > 0 and fig["device_op_device"] in ("cpu", "cuda")
+    assert fig["device_path_device"].startswith(fig["device_op_device"])
+    assert res["ratios"]["device_aug_over_cpu_aug_32px"] == pytest.approx(
+        fig["device_32px_images_per_s"] / fig["shard_32px_images_per_s"], rel=0.02, abs=0.01)

@@ -59,6 +59,13 @@ def _calibration_task(spec: IngestSpec, phase: int, start: int, rows: int) -> in
     glob = order[start:start + rows] if start + rows <= len(order) else np.resize(order, rows)
     shard_idx, r = plan.to_shard_row(glob)
     n = 0
+    if ph.device_augment:  # the device path's task work: draw the crop, copy the window onto the canvas
+        canvas = np.zeros((*ph.canvas, 3), np.uint8)
+        for px, _label, sid in ph.shards.arrays(spec.local_dir, shard_idx, r):
+            box, _ = augment.draw_crop(augment.sample_rng(spec.seed, 0, sid), px.shape[1], px.shape[0], ph.min_scale)
+            augment.crop_window(px, box, canvas)
+            n += 1
+        return n
     for img, _label, sid in ph.shards.images(spec.local_dir, shard_idx, r):
         augment.train_crop(img, ph.resolution, ph.min_scale, augment.sample_rng(spec.seed, 0, sid))
         n += 1

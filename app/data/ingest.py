@@ -9,7 +9,9 @@ How the pieces meet Ray Train:
   is called with the number of workers and gives rank ``r`` the same blocks mapped by a function that
   produces exactly rank ``r``'s slice of each global batch (``app.data.plan``), in order
   (``preserve_order``). Decoding and augmentation run as Ray Data tasks anywhere in the cluster; the
-  worker receives uint8 HWC batches and normalises on its device.
+  worker receives uint8 HWC batches and normalises on its device. With device augmentation (a raw tier,
+  ``data.augment_on``) the tasks only copy each sample's window of stored pixels and ship its crop box and
+  flip bit; the worker crops, resizes and flips the batch in one op (:func:`plan_augmentation`).
 - Where the pixels come from (``app.data.shard_cache``): a tier that fits ``data.memory_budget_mb``
   decoded is materialized in the object store at start (:func:`materialize_tiers`); the others are read
   from the node-local copy of each shard. ``IngestSpec.events`` says which level serves each phase.
@@ -43,6 +45,8 @@ from app.data.spec import tier_shards as tier_shards
 def train_block_batch(blocks: dict, *, spec: IngestSpec, phase: int, rank: int, world_size: int) -> dict:
     """Map one or more plan blocks to rank's images for those steps (Ray Data ``map_batches`` fn)."""
     ph = spec.phases[phase]
+    if ph.device_augment:
+        return device_block_batch(blocks, spec=spec, phase=phase, rank=rank, world_size=world_size)
     plan = EpochPlan(ph.shards.rows, spec.seed)
     lo, hi = rank_slice(ph.batch_size, world_size, rank)
     out_img, out_lab, out_id, out_epoch = [], [], [], []
@@ -62,6 +66,40 @@ def train_block_batch(blocks: dict, *, spec: IngestSpec, phase: int, rank: int, 
                 "sample_id": np.zeros(0, np.int64), "epoch": np.zeros(0, np.int64)}
     return {"image": np.stack(out_img), "label": np.asarray(out_lab, np.int64),
             "sample_id": np.asarray(out_id, np.int64), "epoch": np.asarray(out_epoch, np.int64)}
+
+
+def rank_positions(blocks: dict, spec: IngestSpec, phase: int, rank: int, world_size: int):
+    """(epoch, shard indices, rows) of rank's slice of every step of the blocks, in training order."""
+    ph = spec.phases[phase]
+    plan = EpochPlan(ph.shards.rows, spec.seed)
+    lo, hi = rank_slice(ph.batch_size, world_size, rank)
+    for epoch, step0, nsteps in zip(blocks["epoch"].tolist(), blocks["step0"].tolist(), blocks["nsteps"].tolist()):
+        order = plan.order(epoch)
+        for step in range(step0, step0 + nsteps):
+            shard_idx, rows = plan.to_shard_row(order[step * ph.batch_size + lo: step * ph.batch_size + hi])
+            yield epoch, shard_idx, rows
+
+
+def device_block_batch(blocks: dict, *, spec: IngestSpec, phase: int, rank: int, world_size: int) -> dict:
+    """The device path's map: each sample's window of stored pixels on the phase's canvas, its crop box (in
+    canvas pixels) and flip bit, drawn from (seed, epoch, sample id) exactly as the CPU path draws them. The
+    per-image work is a copy; the worker crops, resizes and flips the whole batch on its device."""
+    ph = spec.phases[phase]
+    pos = list(rank_positions(blocks, spec, phase, rank, world_size))
+    n = sum(len(rows) for _, _, rows in pos)
+    images = np.zeros((n, *ph.canvas, 3), np.uint8)
+    boxes = np.zeros((n, 4), np.float32)
+    flips = np.zeros(n, bool)
+    labels, ids, epochs = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64)
+    i = 0
+    for epoch, shard_idx, rows in pos:
+        for px, label, sid in ph.shards.arrays(spec.local_dir, shard_idx, rows):
+            box, flips[i] = augment.draw_crop(augment.sample_rng(spec.seed, epoch, sid), px.shape[1], px.shape[0],
+                                              ph.min_scale)
+            boxes[i] = augment.crop_window(px, box, images[i])
+            labels[i], ids[i], epochs[i] = label, sid, epoch
+            i += 1
+    return {"image": images, "box": boxes, "flip": flips, "label": labels, "sample_id": ids, "epoch": epochs}
 
 
 def val_block_batch(blocks: dict, *, spec: IngestSpec, rank: int, world_size: int, resolution: int) -> dict:
@@ -243,13 +281,40 @@ def add_eval_sweep(spec: IngestSpec, resolutions: list[int], val_tiers: dict[int
         spec.sweep[r] = sub
 
 
-def finalize_spec(spec: IngestSpec, data: Any, train_cpus: float) -> None:
-    """The start-up steps that need the cluster, in order: rect validation plan, object-store level,
-    preprocessing calibration (last, so it times the level that will really serve). ``data`` is the
-    config's DataConfig; ``train_cpus`` what the Train workers reserve."""
+def plan_augmentation(spec: IngestSpec, augment_on: str, workers_use_cuda: bool) -> None:
+    """Where each phase's training crops run: ``data.augment_on`` resolved for the workers' device; the device
+    path needs a tier stored decoded (raw), so a JPEG tier stays on the CPU path and the event says so."""
+    mode, why = augment.resolve_augment_on(augment_on, workers_use_cuda)
+    spec.augment_on = mode
+    where = "cuda" if workers_use_cuda else "cpu"
+    for ph in spec.phases:
+        ph.device_augment = mode == "device" and ph.shards.fmt == "raw"
+        if ph.device_augment and ph.shards.uris:
+            hw = [shard_cache.read_columns(u, ["height", "width"]) for u in ph.shards.uris]
+            ph.canvas = augment.canvas_for(np.concatenate([t.column("height").to_numpy() for t in hw]),
+                                           np.concatenate([t.column("width").to_numpy() for t in hw]))
+        if ph.device_augment:
+            msg = (f"phase {ph.index} ({ph.resolution}px): crop+resize+flip as one batched roi_align on the "
+                   f"workers' device ({where}{'; the device path on the CPU device' if where == 'cpu' else ''}); "
+                   f"tasks copy windows onto a {ph.canvas[0]}x{ph.canvas[1]} canvas ({why})")
+        elif mode == "device":
+            msg = (f"phase {ph.index} ({ph.resolution}px): on the CPU in Ray Data tasks: tier {ph.shards.tier} is "
+                   f"stored as {ph.shards.fmt}, the device path needs a raw tier (data.raw_max_resolution >= "
+                   f"{ph.shards.tier}) ({why})")
+        else:
+            msg = f"phase {ph.index} ({ph.resolution}px): on the CPU in Ray Data tasks ({why})"
+        spec.event("augment_on", msg, phase=ph.index, on="device" if ph.device_augment else "cpu", device=where,
+                   canvas=list(ph.canvas) if ph.device_augment else None)
+
+
+def finalize_spec(spec: IngestSpec, data: Any, train_cpus: float, workers_use_cuda: bool = False) -> None:
+    """The start-up steps that need the cluster, in order: where augmentation runs, rect validation plan,
+    object-store level, preprocessing calibration (last, so it times the level that will really serve).
+    ``data`` is the config's DataConfig; ``train_cpus`` what the Train workers reserve."""
     from app import startup
 
     spec.block_rows = data.block_rows or BLOCK_ROWS
+    plan_augmentation(spec, data.augment_on, workers_use_cuda)
     if data.val_mode == "rect":
         with startup.phase("rect_val_plan"):
             plan_rect_validation(spec, data.val_batch_size)

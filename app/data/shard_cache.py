@@ -118,6 +118,13 @@ class ParquetShard(ShardView):
         return augment.decode(data if self.fmt == "raw" else bytes(data), self.fmt,
                               int(self.heights[row]), int(self.widths[row]))
 
+    def pixels(self, row: int) -> np.ndarray:
+        if self.fmt != "raw":
+            return np.asarray(self.image(row))
+        # Raw rows are the pixels already: a read-only view into the memory-mapped column, no copy.
+        data = self._data[int(self._offsets[row]):int(self._offsets[row + 1])]
+        return np.frombuffer(data, dtype=np.uint8).reshape(int(self.heights[row]), int(self.widths[row]), 3)
+
 
 @dataclass
 class DecodedShard(ShardView):

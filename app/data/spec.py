@@ -44,6 +44,12 @@ class TierShards:
             view = self.shard(s, local_dir)
             yield view.image(r), int(view.labels[r]), int(view.ids[r])
 
+    def arrays(self, local_dir: str, shard_idx: np.ndarray, rows: np.ndarray) -> Iterator[tuple[np.ndarray, int, int]]:
+        """(HWC uint8 pixels, label, sample id) for (shard, row) pairs; a view without a copy for raw tiers."""
+        for s, r in zip(shard_idx.tolist(), rows.tolist()):
+            view = self.shard(s, local_dir)
+            yield view.pixels(r), int(view.labels[r]), int(view.ids[r])
+
 
 @dataclass
 class PhaseSpec:
@@ -54,6 +60,10 @@ class PhaseSpec:
     first_epoch: int
     end_epoch: int  # exclusive
     shards: TierShards
+    # Device augmentation (raw tiers): tasks ship each sample's window of stored pixels on a fixed canvas, with
+    # its crop box and flip bit; the worker crops, resizes and flips the batch on its device.
+    device_augment: bool = False
+    canvas: tuple[int, int] = (0, 0)  # (h, w) of every shipped image when device_augment
 
 
 @dataclass
@@ -70,6 +80,7 @@ class IngestSpec:
     map_cpus: float = MAP_CPUS
     map_concurrency: int | None = None  # tasks in flight, all ranks together; None = Ray Data's default
     prefetch_batches: int = 2
+    augment_on: str = "cpu"  # resolved data.augment_on: where training crops run ("cpu" | "device")
     block_rows: int = BLOCK_ROWS
     val_mode: str = "center"
     val_order: np.ndarray | None = None  # rect: val rows (global index) sorted by aspect ratio

@@ -174,6 +174,23 @@ def maybe_compile(model: nn.Module, cfg: ModelConfig, device: torch.device) -> n
     return compiled  # type: ignore[return-value]
 
 
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host tensor to ``device``; on CUDA through pinned memory, so the copy is really asynchronous
+    (``non_blocking`` from pageable memory is a synchronous copy in disguise)."""
+    if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+def _normalize(x: torch.Tensor, device: torch.device, channels_last: bool, mean: tuple[float, float, float],
+               std: tuple[float, float, float]) -> torch.Tensor:
+    m = torch.tensor(mean, device=device).view(1, 3, 1, 1) * 255.0
+    s = torch.tensor(std, device=device).view(1, 3, 1, 1) * 255.0
+    x = (x - m) / s
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    return x.contiguous(memory_format=fmt)
+
+
 def images_to_device(
     images: torch.Tensor,
     device: torch.device,
@@ -190,15 +207,58 @@ def images_to_device(
         raise ValueError(f"images: bad dtype {images.dtype}; expected torch.uint8")
     if images.dim() != 4 or layout not in ("NHWC", "NCHW"):
         raise ValueError(f"images: bad shape {tuple(images.shape)} / layout {layout!r}; expected 4-D NHWC or NCHW")
-    x = images.to(device, non_blocking=True)
+    x = host_to_device(images, device)
     if layout == "NHWC":
         x = x.permute(0, 3, 1, 2)  # a view: memory stays NHWC, which *is* channels_last for NCHW
     x = x.float()  # keeps the input's strides (NHWC memory stays channels_last)
-    m = torch.tensor(mean, device=device).view(1, 3, 1, 1) * 255.0
-    s = torch.tensor(std, device=device).view(1, 3, 1, 1) * 255.0
-    x = (x - m) / s
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    return x.contiguous(memory_format=fmt)
+    return _normalize(x, device, channels_last, mean, std)
+
+
+def crop_resize_flip(images: torch.Tensor, boxes: torch.Tensor, flips: torch.Tensor, size: int) -> torch.Tensor:
+    """Random-resized-crop + flip of a whole batch as one op on the tensors' device: uint8 NHWC canvases,
+    (N, 4) boxes (x0, y0, x1, y1 in canvas pixels), (N,) flip bits -> float NCHW in [0, 255], ``size`` square.
+
+    ``roi_align(aligned=True)`` samples at pixel centres as PIL's resize with a box does; with
+    ``sampling_ratio=0`` each output pixel averages ceil(box/size) samples per axis, which approximates
+    PIL's antialiased bilinear when the crop shrinks (and is plain bilinear when it grows)."""
+    from torchvision.ops import roi_align  # torchvision's C++ ops load on first use
+
+    x = images.permute(0, 3, 1, 2).float()
+    idx = torch.arange(len(boxes), device=boxes.device, dtype=torch.float32).view(-1, 1)
+    out = roi_align(x, torch.cat([idx, boxes.float()], dim=1), (size, size), spatial_scale=1.0, sampling_ratio=0,
+                    aligned=True)
+    return torch.where(flips.view(-1, 1, 1, 1), out.flip(3), out)
+
+
+def augmented_to_device(
+    images: torch.Tensor,
+    boxes: torch.Tensor,
+    flips: torch.Tensor,
+    size: int,
+    device: torch.device,
+    channels_last: bool,
+    mean: tuple[float, float, float] = IMAGENET_MEAN,
+    std: tuple[float, float, float] = IMAGENET_STD,
+) -> torch.Tensor:
+    """The device path's batch: uint8 canvases + boxes + flip bits copied to ``device`` (uint8: the canvas's
+    bytes, not float32's), cropped/resized/flipped there in one op, then normalized like
+    :func:`images_to_device`."""
+    if images.dtype != torch.uint8 or images.dim() != 4:
+        raise ValueError(f"images: bad dtype/shape {images.dtype} {tuple(images.shape)}; expected uint8 NHWC")
+    x = crop_resize_flip(host_to_device(images, device), host_to_device(boxes, device),
+                         host_to_device(flips, device).bool(), size)
+    return _normalize(x, device, channels_last, mean, std)
+
+
+def log_augment_placement(augment_on: str, device: torch.device, device_phases: list[int]) -> None:
+    """Say where training crops run on this worker: the device path (and on which device) or Ray Data tasks."""
+    if augment_on == "device" and device_phases:
+        label = "" if device.type == "cuda" else " (the device path on the CPU device)"
+        unit_log("augment_on", f"crop+resize+flip of phases {device_phases} as one roi_align per batch on "
+                               f"{device}{label}", on="device", device=device.type, phases=device_phases)
+    else:
+        unit_log("augment_on", f"training crops in Ray Data tasks on the CPU (resolved data.augment_on={augment_on})",
+                 on="cpu", device=device.type, phases=[])
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

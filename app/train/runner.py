@@ -111,7 +111,7 @@ def build_ingest_spec(cfg: Config, manifest) -> tuple[IngestSpec, Schedule]:
                       map_concurrency=cfg.data.preprocess_concurrency or None,
                       prefetch_batches=cfg.data.prefetch_batches)
     # Rect val plan, object-store cache level and preprocessing autotune: these run Ray tasks, so Ray is up.
-    finalize_spec(spec, cfg.data, cfg.worker_range()[1] * cfg.scaling.cpus_per_worker)
+    finalize_spec(spec, cfg.data, cfg.worker_range()[1] * cfg.scaling.cpus_per_worker, _use_gpu(cfg))
     if cfg.report.eval_sweep:
         tiers = {r: tier_shards(manifest, "val", _val_tier_want(cfg, r)) for r in cfg.report.eval_sweep}
         add_eval_sweep(spec, cfg.report.eval_sweep,

@@ -300,8 +300,13 @@ class Trainer:
         lr, mom = self.sched.lr_at(c.samples_seen), self.sched.momentum_at(c.samples_seen)
         self.comm.begin_step(c.samples_seen / self.spec.train_size)  # epochs seen drive the sparsity warm-up
         set_lr_momentum(self.optimizer, lr, self.comm.optimizer_momentum(mom))  # 0 under momentum correction
-        x = dev.images_to_device(torch.from_numpy(batch["image"]), self.device, self.cfg.model.channels_last)
-        y = torch.from_numpy(batch["label"]).to(self.device, non_blocking=True)
+        if "box" in batch:  # the device path: crop, resize and flip the stored pixels here, in one batched op
+            x = dev.augmented_to_device(torch.from_numpy(batch["image"]), torch.from_numpy(batch["box"]),
+                                        torch.from_numpy(batch["flip"]), run.phase.resolution, self.device,
+                                        self.cfg.model.channels_last)
+        else:
+            x = dev.images_to_device(torch.from_numpy(batch["image"]), self.device, self.cfg.model.channels_last)
+        y = dev.host_to_device(torch.from_numpy(batch["label"]), self.device)
         with dev.autocast(self.precision, self.device):
             loss = self.loss_fn(self.forward(x), y)
         self.optimizer.zero_grad(set_to_none=True)
@@ -356,6 +361,8 @@ class Trainer:
     def _log_units(self) -> None:
         """Which speed-up units are on and why: device, DDP bucket, comm mode, then the data's own events
         (which cache level serves each phase, preprocessing autotune, rect val)."""
+        dev.log_augment_placement(self.spec.augment_on, self.device,
+                                  [ph.index for ph in self.spec.phases if ph.device_augment])
         events = dev.pop_unit_events() + [
             {"unit": "fusion", "message": f"DDP bucket {self.bucket_mb:.2f} MB", "evidence": self.bucket_evidence},
             {"unit": "comm", "message": self.comm.describe()}] + list(self.spec.events)

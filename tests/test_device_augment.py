@@ -1,0 +1,133 @@
+"""Augmentation on the device: the window + box + flip batches Ray Data tasks ship for raw tiers, cropped by one
+batched roi_align on the worker's device, against the CPU path's PIL crops of the same stored demo images;
+where ``data.augment_on`` sends each phase; and a real smoke run on the device path (CPU device here)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from app.data import augment
+from app.data.demo import generate_demo
+from app.data.ingest import IngestSpec, PhaseSpec, phase_blocks, plan_augmentation, tier_shards, train_block_batch
+from app.data.manifest import Manifest
+from app.data.plan import EpochPlan
+from app.data.prepare import prepare
+from app.train import device as dev
+
+ROOT = pathlib.Path(__file__).parents[1]
+RES = 48  # output size; the stored raw tier is 64 px short side, so crops both shrink and grow
+
+
+@pytest.fixture(scope="module")
+def demo_manifest(tmp_path_factory) -> Manifest:
+    if ray.is_initialized():
+        ray.shutdown()
+    try:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    except Exception:  # "node timed out during startup" on a loaded machine: one more try
+        ray.shutdown()
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    root = tmp_path_factory.mktemp("device-aug")
+    src = generate_demo(root / "src", num_classes=3, train_per_class=16, val_per_class=2, processes=1)
+    man = Manifest.load(str(prepare(str(src), str(root / "cache"), [64], raw_max_resolution=64, shard_rows=16)))
+    yield man
+    ray.shutdown()
+
+
+def make_spec(manifest: Manifest, local_dir: str, augment_on: str, cuda: bool) -> IngestSpec:
+    spec = IngestSpec(seed=5, local_dir=local_dir, train_size=manifest.num_samples("train"),
+                      phases=[PhaseSpec(0, RES, 16, 0.25, 0, 2, tier_shards(manifest, "train", 64))],
+                      val=tier_shards(manifest, "val", 64), eval_resolution=RES, val_crop_ratio=0.875)
+    plan_augmentation(spec, augment_on, cuda)
+    return spec
+
+
+def all_blocks(spec: IngestSpec) -> dict:
+    blocks = phase_blocks(spec, 0, 0, 0)
+    return {k: np.array([b[k] for b in blocks]) for k in ("epoch", "step0", "nsteps")}
+
+
+def test_device_path_crops_match_the_cpu_path_on_demo_tier_images(demo_manifest, tmp_path):
+    spec = make_spec(demo_manifest, str(tmp_path / "local"), "device", cuda=False)
+    ph = spec.phases[0]
+    assert ph.device_augment and ph.shards.fmt == "raw"
+    blocks = all_blocks(spec)
+    got = train_block_batch(blocks, spec=spec, phase=0, rank=0, world_size=1)
+    assert got["image"].shape[1:] == (*ph.canvas, 3) and got["image"].dtype == np.uint8
+    out = dev.crop_resize_flip(torch.from_numpy(got["image"]), torch.from_numpy(got["box"]),
+                               torch.from_numpy(got["flip"]), RES)
+    device_crops = out.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+
+    spec.phases[0].device_augment = False  # the CPU path over the very same blocks
+    cpu = train_block_batch(blocks, spec=spec, phase=0, rank=0, world_size=1)
+    assert (cpu["sample_id"] == got["sample_id"]).all() and (cpu["epoch"] == got["epoch"]).all()
+    assert (cpu["label"] == got["label"]).all()
+    cpu_crops = cpu["image"].astype(np.float64)
+
+    # Same boxes: the shipped box is the drawn one moved by whole pixels (the window's origin), same flip bit.
+    plan = EpochPlan(ph.shards.rows, spec.seed)
+    sizes = {}
+    for e in (0, 1):
+        idx, rows = plan.to_shard_row(plan.order(e))
+        for px, _lab, sid in ph.shards.arrays(spec.local_dir, idx, rows):
+            sizes[sid] = px.shape
+    for i, (sid, epoch) in enumerate(zip(got["sample_id"].tolist(), got["epoch"].tolist())):
+        h, w = sizes[sid][:2]
+        box, flip = augment.draw_crop(augment.sample_rng(spec.seed, epoch, sid), w, h, ph.min_scale)
+        shift = np.asarray(box, np.float64) - got["box"][i]
+        assert np.allclose(shift, np.round(shift), atol=1e-3), shift
+        assert round(shift[0]) == round(shift[2]) and round(shift[1]) == round(shift[3]), shift
+        assert bool(got["flip"][i]) == flip
+    assert 0 < got["flip"].sum() < len(got["flip"])  # both flip values were exercised
+
+    err = np.abs(device_crops.astype(np.float64) - cpu_crops).mean(axis=(1, 2, 3))
+    err_flipped = np.abs(device_crops[:, :, ::-1].astype(np.float64) - cpu_crops).mean(axis=(1, 2, 3))
+    assert err.mean() < 6.0 and err.max() < 12.0, (err.mean(), err.max())
+    # The flips agree: every crop is closer to the CPU crop than to its own mirror image.
+    assert (err < err_flipped).all(), np.flatnonzero(err >= err_flipped)
+
+
+def test_augment_on_chooses_the_device_on_cuda_workers_and_the_cpu_otherwise(demo_manifest, tmp_path):
+    local = str(tmp_path / "local")
+    assert make_spec(demo_manifest, local, "auto", cuda=True).phases[0].device_augment
+    spec = make_spec(demo_manifest, local, "auto", cuda=False)
+    assert not spec.phases[0].device_augment and spec.augment_on == "cpu"
+    assert not make_spec(demo_manifest, local, "cpu", cuda=True).phases[0].device_augment
+    ev = [e for e in make_spec(demo_manifest, local, "device", cuda=False).events if e["unit"] == "augment_on"]
+    assert ev[0]["on"] == "device" and ev[0]["device"] == "cpu" and "on the CPU device" in ev[0]["message"]
+
+
+def test_device_path_is_refused_for_a_jpeg_tier_and_the_event_says_why(demo_manifest, tmp_path):
+    spec = make_spec(demo_manifest, str(tmp_path / "local"), "device", cuda=True)
+    spec.phases[0].shards.fmt = "jpeg"  # as a tier above data.raw_max_resolution is stored
+    plan_augmentation(spec, "device", True)
+    assert not spec.phases[0].device_augment
+    assert "needs a raw tier" in spec.events[-1]["message"]
+
+
+def test_smoke_run_trains_on_the_device_path_on_the_cpu_device(tmp_path):
+    storage = tmp_path / "storage"
+    proc = subprocess.run(
+        [sys.executable, "app/run.py", "--smoke-test", "--storage", str(storage), "--name", "devaug",
+         "--scaling.ray_address=local", "--data.augment_on=device", "--data.raw_max_resolution=64",
+         f"--data.cache_dir={tmp_path / 'cache'}", f"--data.local_cache_dir={tmp_path / 'local'}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [json.loads(s) for s in (storage / "devaug" / "metrics.jsonl").read_text().splitlines()]
+    units = [r for r in lines if r.get("event") == "unit" and r.get("unit") == "augment_on"]
+    worker = [u for u in units if "phases" in u]
+    assert worker and worker[0]["on"] == "device" and worker[0]["device"] == "cpu"
+    assert "device path on the CPU device" in worker[0]["message"]
+    train = [r for r in lines if "event" not in r and "val_top1" not in r]
+    assert {r["resolution"] for r in train} == {32, 48}
+    assert all(np.isfinite(r["loss"]) for r in train)
+    summary = json.loads((storage / "devaug" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["epochs"] == 2
