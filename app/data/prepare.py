@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
@@ -94,26 +95,18 @@ def cache_key(listing: SourceListing | RowListing, params: dict[str, Any]) -> st
 SHARD_MIX_SEED = 20200731
 
 
-def mix_for_shards(items: list[tuple[int, Any]], split: str) -> list[tuple[int, Any]]:
-    """A fixed pseudo-random order of a split's entries (same inputs, same shards)."""
-    import numpy as np
-
+def shard_order(n: int, split: str) -> np.ndarray:
+    """A fixed pseudo-random permutation of a split's ``n`` selected entries (same inputs, same shards)."""
     rng = np.random.default_rng([SHARD_MIX_SEED, sum(split.encode())])
-    return [items[i] for i in rng.permutation(len(items))]
+    return rng.permutation(n)
 
 
-def select(listing: SourceListing, limit: dict[str, int] | None) -> dict[str, list[tuple[int, Any]]]:
-    """(sample_id, entry) per split. A limit takes evenly spaced entries, so every class stays represented
-    (the first N of a sorted listing would be one class), and sample ids stay listing indices."""
-    out = {}
-    for split, entries in listing.splits.items():
-        n, k = len(entries), (limit or {}).get(split, 0)
-        if k and k < n:
-            ids = [i * n // k for i in range(k)]
-        else:
-            ids = list(range(n))
-        out[split] = [(i, entries[i]) for i in ids]
-    return out
+def selected_ids(n: int, k: int) -> np.ndarray:
+    """Listing indices of the entries a limit of ``k`` takes (0 = all): evenly spaced, so every class stays
+    represented (the first k of a sorted listing would be one class), and sample ids stay listing indices."""
+    if k and k < n:
+        return np.arange(k, dtype=np.int64) * n // k
+    return np.arange(n, dtype=np.int64)
 
 
 def _unit_name(split: str, index: int) -> str:
@@ -226,7 +219,10 @@ def _samples(unit: dict[str, Any], fs: pafs.FileSystem, base: str
         module = sources_parquet if kind == "parquet" else sources_webdataset
         yield module.iter_samples(unit, fs, base)
         return
-    entries = unit["entries"]  # [[sample_id, rel_path, size, label], ...]
+    if "entries" in unit:  # [[sample_id, rel_path, size, label], ...]
+        entries = unit["entries"]
+    else:  # the same, as columns
+        entries = list(zip(unit["ids"], unit["paths"], unit["sizes"], unit["labels"]))
 
     def fetch(e: list) -> tuple[bytes | None, str]:
         return _read_or_reason(fs, f"{base}/{e[1]}", int(e[2]))
@@ -318,18 +314,26 @@ def _plan_shards(cache: _Cache, limit: dict[str, int] | None, shard_rows: int, j
     """One work unit per shard, in (split, index) order."""
     if isinstance(cache.listing, RowListing):
         return _plan_row_shards(cache, limit, shard_rows, jpeg_quality)
-    chosen = select(cache.listing, limit)
     units: list[dict[str, Any]] = []
-    for split in sorted(chosen):
+    for split, entries in sorted(cache.listing.splits.items()):
+        # Columns, not a Python list per entry: at a million files the per-entry lists (and the garbage
+        # collector walking them) were most of the driver's planning time.
+        n = len(entries)
+        paths = np.fromiter((e.path for e in entries), dtype=object, count=n)
+        sizes = np.fromiter((e.size for e in entries), dtype=np.int64, count=n)
+        labels = np.fromiter((e.label for e in entries), dtype=np.int64, count=n)
+        ids = selected_ids(n, (limit or {}).get(split, 0))
         # Shards get a seeded random mix of the listing (sorted by class): a shard of consecutive entries
         # would hold one or two classes, and the epoch plan reads shard by shard. Sample ids stay the
         # listing indices, so labels and ids never depend on this order.
-        items = mix_for_shards(chosen[split], split)
-        for j, lo in enumerate(range(0, len(items), shard_rows)):
+        order = ids[shard_order(len(ids), split)]
+        for j, lo in enumerate(range(0, len(order), shard_rows)):
+            sel = order[lo:lo + shard_rows]
             units.append({"split": split, "index": j, "source": cache.listing.root, "out_dir": cache.location,
                           "tiers": cache.tiers, "formats": {str(t): f for t, f in cache.formats.items()},
-                          "jpeg_quality": int(jpeg_quality), "io_threads": int(io_threads),
-                          "entries": [[sid, e.path, e.size, e.label] for sid, e in items[lo:lo + shard_rows]]})
+                          "jpeg_quality": int(jpeg_quality), "io_threads": int(io_threads), "listed": len(sel),
+                          "ids": sel.tolist(), "paths": paths[sel].tolist(), "sizes": sizes[sel].tolist(),
+                          "labels": labels[sel].tolist()})
     return units
 
 
