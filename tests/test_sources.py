@@ -18,7 +18,8 @@ from PIL import Image
 
 from app.data.manifest import Manifest
 from app.data.prepare import prepare
-from app.data.source import DataError, detect_kind, list_source
+from app.data.source import DataError, detect_kind
+from app.data.sources import list_source
 from app.data.sources_rows import ROW_BITS
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -193,11 +194,12 @@ def test_source_without_train_split_names_the_root(tmp_path):
 @pytest.mark.parametrize("kind", ["parquet", "webdataset"])
 def test_source_trains_through_a_smoke_run(tmp_path, kind):
     src = tmp_path / "src"
-    (make_parquet if kind == "parquet" else make_webdataset)(src)
+    # Enough rows for the smoke recipe's global batch of 64 (its limits, 256 train / 64 val, take them all).
+    make_parquet(src, per_file=80) if kind == "parquet" else make_webdataset(src, per_tar=80)
     storage = tmp_path / "runs"
     proc = subprocess.run(
         [sys.executable, "app/run.py", "--smoke-test", "--data", str(src), "--storage", str(storage),
-         "--name", "s", "--scaling.ray_address=local", "--data.limit_train=0", "--data.limit_val=0"],
+         "--name", "s", "--scaling.ray_address=local"],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((storage / "s" / "summary.json").read_text())

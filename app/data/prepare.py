@@ -39,10 +39,11 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from app import storage
-from app.data import images
+from app.data import images, sources_parquet, sources_webdataset
 from app.data.manifest import BAD_FILES, MANIFEST, Manifest
 from app.data.shard_cache import default_local_dir
-from app.data.source import DataError, SourceListing, list_source, resolve_fs
+from app.data.source import DataError, SourceListing, resolve_fs
+from app.data.sources import list_source
 from app.data.sources_rows import RowListing
 from app.storage import is_uri, join
 
@@ -214,8 +215,6 @@ def _samples(unit: dict[str, Any], fs: pafs.FileSystem, base: str
     """(sample_id, path, label, bytes or None, reason) for each sample of a unit, whatever the source."""
     kind = unit.get("kind", "imagefolder")
     if kind != "imagefolder":
-        from app.data import sources_parquet, sources_webdataset
-
         module = sources_parquet if kind == "parquet" else sources_webdataset
         yield module.iter_samples(unit, fs, base)
         return
@@ -341,8 +340,6 @@ def _plan_row_shards(cache: _Cache, limit: dict[str, int] | None, shard_rows: in
                      jpeg_quality: int) -> list[dict[str, Any]]:
     """Units of a Parquet / WebDataset source: row ranges of one container file each. They keep the
     source's own row order (such sources are conventionally written shuffled)."""
-    from app.data import sources_parquet, sources_webdataset
-
     listing = cache.listing
     module = sources_parquet if listing.kind == "parquet" else sources_webdataset
     units = []

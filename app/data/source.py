@@ -1,5 +1,5 @@
 """Source listing: an ImageFolder tree (``train/<class>/*.jpg``, ``val/<class>/*.jpg``) on any filesystem;
-``list_source`` also recognises Parquet files and WebDataset tar shards (app/data/sources_*.py).
+``detect_kind`` also recognises Parquet files and WebDataset tar shards (listed by app/data/sources.py).
 
 The listing is the identity of the source: every file's relative path, size and modification time go
 into the shard cache key, so a changed, added or removed image gives a new cache. It is sorted and
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any
 
 import pyarrow.fs as pafs
 
@@ -162,20 +161,6 @@ def detect_kind(root: str) -> str:
     if any(n.endswith(".tar") for n in names):
         return "webdataset"
     return "imagefolder"
-
-
-def list_source(root: str) -> Any:
-    """The listing of any supported source: ``SourceListing`` (ImageFolder) or ``RowListing`` (Parquet,
-    WebDataset tar shards)."""
-    kind = detect_kind(root)
-    if kind == "imagefolder":
-        return list_imagefolder(root)
-    from app.data import sources_parquet, sources_webdataset
-
-    norm = storage.normalise(root)
-    fs, base = resolve_fs(norm)
-    lister = sources_parquet.list_parquet if kind == "parquet" else sources_webdataset.list_webdataset
-    return lister(norm, base, fs)
 
 
 def local_path_or_none(root: str) -> str | None:

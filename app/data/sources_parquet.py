@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from app.data.source import DataError
 from app.data.sources_rows import (
     RowFile,
     RowListing,
@@ -35,8 +36,6 @@ LABEL_COLUMNS = ("label", "labels", "cls", "class", "target")
 
 
 def _error(msg: str) -> Exception:
-    from app.data.source import DataError
-
     return DataError(msg)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app import storage
+from app.data.source import DataError
 from app.storage import join
 
 ROW_BITS = 32  # sample_id = file_index << ROW_BITS | row
@@ -108,8 +109,6 @@ def row_path(rel: str, row: int | str) -> str:
 
 
 def need_splits(root: str, found: dict[str, list[RowFile]], what: str) -> None:
-    from app.data.source import DataError
-
     if "train" not in found:
         raise DataError(f"{root}: no train {what}; expected train/ and val/ folders or file names starting "
                         f"with train- / validation- (found splits: {', '.join(sorted(found)) or 'none'})")

@@ -16,6 +16,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from app.data.source import DataError
 from app.data.sources_rows import RowListing, list_containers, need_splits, read_classes_json, row_path, sample_id
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
@@ -23,8 +24,6 @@ LABEL_EXTS = ("cls", "txt")
 
 
 def _error(msg: str) -> Exception:
-    from app.data.source import DataError
-
     return DataError(msg)
 
 
