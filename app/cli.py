@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, metavar="NAME|PATH",
                    help="recipe name from app/recipes (demo, smoke, imagenet-rn50-dawnbench, imagenet-rn18-16ep) "
                         "or a YAML path (default: demo; smoke with --smoke-test)")
-    p.add_argument("--data", metavar="PATH|URI", help="ImageFolder tree (train/<class>/*.jpg, val/<class>/*.jpg): "
+    p.add_argument("--data", metavar="PATH|URI", help="ImageFolder tree (train/<class>/*.jpg, val/<class>/*.jpg), "
+                   "Parquet files (image + label columns, train-*/validation-*) or WebDataset tars (.jpg + .cls): "
                    "a local path or a pyarrow URI such as s3://bucket/imagenet; default: the embedded demo")
     p.add_argument("--storage", metavar="DIR|URI", help="where runs are written (default ./lightray_runs or "
                    "$LIGHTRAY_STORAGE); shared storage (s3://) on a cluster")

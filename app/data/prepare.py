@@ -27,20 +27,24 @@ import logging
 import os
 import pathlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from app import storage
-from app.data import images
+from app.data import images, sources_parquet, sources_webdataset
 from app.data.manifest import BAD_FILES, MANIFEST, Manifest
 from app.data.shard_cache import default_local_dir
-from app.data.source import DataError, SourceListing, list_imagefolder, resolve_fs
+from app.data.source import DataError, SourceListing, resolve_fs
+from app.data.sources import list_source
+from app.data.sources_rows import RowListing
 from app.storage import is_uri, join
 
 if TYPE_CHECKING:
@@ -81,7 +85,7 @@ def _check_params(tiers: list[int], jpeg_quality: int, raw_max_resolution: int, 
     return sorted(set(out))
 
 
-def cache_key(listing: SourceListing, params: dict[str, Any]) -> str:
+def cache_key(listing: SourceListing | RowListing, params: dict[str, Any]) -> str:
     """sha256 of the listing fingerprint and the canonical JSON of every preprocessing parameter."""
     h = hashlib.sha256()
     h.update(listing.fingerprint().encode())
@@ -92,26 +96,18 @@ def cache_key(listing: SourceListing, params: dict[str, Any]) -> str:
 SHARD_MIX_SEED = 20200731
 
 
-def mix_for_shards(items: list[tuple[int, Any]], split: str) -> list[tuple[int, Any]]:
-    """A fixed pseudo-random order of a split's entries (same inputs, same shards)."""
-    import numpy as np
-
+def shard_order(n: int, split: str) -> np.ndarray:
+    """A fixed pseudo-random permutation of a split's ``n`` selected entries (same inputs, same shards)."""
     rng = np.random.default_rng([SHARD_MIX_SEED, sum(split.encode())])
-    return [items[i] for i in rng.permutation(len(items))]
+    return rng.permutation(n)
 
 
-def select(listing: SourceListing, limit: dict[str, int] | None) -> dict[str, list[tuple[int, Any]]]:
-    """(sample_id, entry) per split. A limit takes evenly spaced entries, so every class stays represented
-    (the first N of a sorted listing would be one class), and sample ids stay listing indices."""
-    out = {}
-    for split, entries in listing.splits.items():
-        n, k = len(entries), (limit or {}).get(split, 0)
-        if k and k < n:
-            ids = [i * n // k for i in range(k)]
-        else:
-            ids = list(range(n))
-        out[split] = [(i, entries[i]) for i in ids]
-    return out
+def selected_ids(n: int, k: int) -> np.ndarray:
+    """Listing indices of the entries a limit of ``k`` takes (0 = all): evenly spaced, so every class stays
+    represented (the first k of a sorted listing would be one class), and sample ids stay listing indices."""
+    if k and k < n:
+        return np.arange(k, dtype=np.int64) * n // k
+    return np.arange(n, dtype=np.int64)
 
 
 def _unit_name(split: str, index: int) -> str:
@@ -165,17 +161,14 @@ def build_shard(unit: dict[str, Any]) -> dict[str, Any]:
     formats = {int(t): f for t, f in unit["formats"].items()}
     src_fs, src_base = resolve_fs(unit["source"])
     out_fs, out_base = resolve_fs(unit["out_dir"])
-    entries = unit["entries"]  # [[sample_id, rel_path, size, label], ...]
     base = {"sample_id": [], "label": [], "orig_height": [], "orig_width": [], "path": []}
     per_tier = {t: {"image": [], "height": [], "width": []} for t in tiers}
     bad: list[dict[str, Any]] = []
+    listed = 0
 
-    def fetch(e: list) -> tuple[bytes | None, str]:
-        return _read_or_reason(src_fs, f"{src_base}/{e[1]}", int(e[2]))
-
-    threads = max(1, int(unit.get("io_threads", 8)))
-    with ThreadPoolExecutor(threads) as pool:  # reads run ahead of the (single-threaded) decode
-        for (sid, path, _size, label), (data, reason) in zip(entries, pool.map(fetch, entries)):
+    with _samples(unit, src_fs, src_base) as samples:
+        for sid, path, label, data, reason in samples:
+            listed += 1
             if data is None:
                 bad.append({"split": split, "sample_id": sid, "path": path, "reason": reason})
                 continue
@@ -209,10 +202,34 @@ def build_shard(unit: dict[str, Any]) -> dict[str, Any]:
             storage.write_bytes(f"{out_base}/{name}", blob, fs=out_fs)
             files[str(t)] = {"file": name, "rows": rows, "sha256": hashlib.sha256(blob).hexdigest(),
                              "bytes": len(blob), "format": formats[t]}
-    sidecar = {"split": split, "index": index, "rows": rows, "listed": len(entries), "files": files, "bad": bad}
+    sidecar = {"split": split, "index": index, "rows": rows, "listed": listed, "files": files, "bad": bad,
+               "max_label": max(base["label"], default=-1)}
     # The sidecar goes last: its existence certifies that every file it names was renamed into place whole.
     storage.write_json(f"{out_base}/{PROGRESS_DIR}/{_unit_name(split, index)}.json", sidecar, fs=out_fs)
     return sidecar
+
+
+@contextmanager
+def _samples(unit: dict[str, Any], fs: pafs.FileSystem, base: str
+             ) -> Iterator[Iterator[tuple[int, str, int | None, bytes | None, str]]]:
+    """(sample_id, path, label, bytes or None, reason) for each sample of a unit, whatever the source."""
+    kind = unit.get("kind", "imagefolder")
+    if kind != "imagefolder":
+        module = sources_parquet if kind == "parquet" else sources_webdataset
+        yield module.iter_samples(unit, fs, base)
+        return
+    if "entries" in unit:  # [[sample_id, rel_path, size, label], ...]
+        entries = unit["entries"]
+    else:  # the same, as columns
+        entries = list(zip(unit["ids"], unit["paths"], unit["sizes"], unit["labels"]))
+
+    def fetch(e: list) -> tuple[bytes | None, str]:
+        return _read_or_reason(fs, f"{base}/{e[1]}", int(e[2]))
+
+    threads = max(1, int(unit.get("io_threads", 8)))
+    with ThreadPoolExecutor(threads) as pool:  # reads run ahead of the (single-threaded) decode
+        yield ((sid, path, label, data, reason)
+               for (sid, path, _size, label), (data, reason) in zip(entries, pool.map(fetch, entries)))
 
 
 def _map_unit(row: dict[str, Any]) -> dict[str, Any]:
@@ -224,7 +241,7 @@ def _map_unit(row: dict[str, Any]) -> dict[str, Any]:
 class _Cache:
     """One cache folder being built: where it is, what goes in it, and the parameters in its key."""
 
-    listing: SourceListing
+    listing: SourceListing | RowListing
     params: dict[str, Any]
     key: str
     location: str  # <cache_root>/<key>, local path or URI
@@ -257,7 +274,7 @@ def _as_result(location: str) -> pathlib.Path | str:
     return location if is_uri(location) else pathlib.Path(location)
 
 
-def _plan_cache(listing: SourceListing, cache_root: str, tiers: list[int], jpeg_quality: int,
+def _plan_cache(listing: SourceListing | RowListing, cache_root: str, tiers: list[int], jpeg_quality: int,
                 raw_max_resolution: int, shard_rows: int, limit: dict[str, int] | None) -> _Cache:
     """Check the parameters and name the cache folder they and the listing key."""
     tiers = _check_params(list(tiers), jpeg_quality, raw_max_resolution, shard_rows, limit, list(listing.splits))
@@ -294,19 +311,50 @@ def _manifest_intact(cache: _Cache, sizes: dict[str, int]) -> bool:
 def _plan_shards(cache: _Cache, limit: dict[str, int] | None, shard_rows: int, jpeg_quality: int,
                  io_threads: int) -> list[dict[str, Any]]:
     """One work unit per shard, in (split, index) order."""
-    chosen = select(cache.listing, limit)
+    if isinstance(cache.listing, RowListing):
+        return _plan_row_shards(cache, limit, shard_rows, jpeg_quality)
     units: list[dict[str, Any]] = []
-    for split in sorted(chosen):
+    for split, entries in sorted(cache.listing.splits.items()):
+        # Columns, not a Python list per entry: at a million files the per-entry lists (and the garbage
+        # collector walking them) were most of the driver's planning time.
+        n = len(entries)
+        paths = np.fromiter((e.path for e in entries), dtype=object, count=n)
+        sizes = np.fromiter((e.size for e in entries), dtype=np.int64, count=n)
+        labels = np.fromiter((e.label for e in entries), dtype=np.int64, count=n)
+        ids = selected_ids(n, (limit or {}).get(split, 0))
         # Shards get a seeded random mix of the listing (sorted by class): a shard of consecutive entries
         # would hold one or two classes, and the epoch plan reads shard by shard. Sample ids stay the
         # listing indices, so labels and ids never depend on this order.
-        items = mix_for_shards(chosen[split], split)
-        for j, lo in enumerate(range(0, len(items), shard_rows)):
+        order = ids[shard_order(len(ids), split)]
+        for j, lo in enumerate(range(0, len(order), shard_rows)):
+            sel = order[lo:lo + shard_rows]
             units.append({"split": split, "index": j, "source": cache.listing.root, "out_dir": cache.location,
                           "tiers": cache.tiers, "formats": {str(t): f for t, f in cache.formats.items()},
-                          "jpeg_quality": int(jpeg_quality), "io_threads": int(io_threads),
-                          "entries": [[sid, e.path, e.size, e.label] for sid, e in items[lo:lo + shard_rows]]})
+                          "jpeg_quality": int(jpeg_quality), "io_threads": int(io_threads), "listed": len(sel),
+                          "ids": sel.tolist(), "paths": paths[sel].tolist(), "sizes": sizes[sel].tolist(),
+                          "labels": labels[sel].tolist()})
     return units
+
+
+def _plan_row_shards(cache: _Cache, limit: dict[str, int] | None, shard_rows: int,
+                     jpeg_quality: int) -> list[dict[str, Any]]:
+    """Units of a Parquet / WebDataset source: row ranges of one container file each. They keep the
+    source's own row order (such sources are conventionally written shuffled)."""
+    listing = cache.listing
+    module = sources_parquet if listing.kind == "parquet" else sources_webdataset
+    units = []
+    for split in sorted(listing.splits):
+        for j, u in enumerate(module.plan_units(listing, split, (limit or {}).get(split, 0), shard_rows)):
+            units.append({**u, "split": split, "index": j, "kind": listing.kind, "source": listing.root,
+                          "out_dir": cache.location, "tiers": cache.tiers, "jpeg_quality": int(jpeg_quality),
+                          "formats": {str(t): f for t, f in cache.formats.items()}, "classes": listing.classes,
+                          "options": listing.options})
+    return units
+
+
+def _listed(unit: dict[str, Any]) -> int:
+    """Samples a unit covers, or -1 when only reading tells (a tar)."""
+    return int(unit["listed"]) if "listed" in unit else len(unit["entries"])
 
 
 def _find_built(cache: _Cache, units: list[dict[str, Any]], sizes: dict[str, int],
@@ -327,7 +375,7 @@ def _find_built(cache: _Cache, units: list[dict[str, Any]], sizes: dict[str, int
         except (OSError, ValueError) as exc:
             return name, None, f"{name}: unreadable sidecar ({exc})"
         bad = [p for f in sc.get("files", {}).values() if (p := _shard_ok(fs, base, f, sizes, verify))]
-        if sc.get("listed") != len(u["entries"]) or set(sc.get("files", {})) != (
+        if _listed(u) not in (-1, sc.get("listed")) or set(sc.get("files", {})) != (
                 {str(t) for t in cache.tiers} if sc.get("rows") else set()):
             bad.append(f"{name}: sidecar does not match this shard's plan")
         return name, (None if bad else sc), "; ".join(bad)
@@ -414,7 +462,7 @@ def prepare(source: str, cache_root: str, tiers: list[int], *, jpeg_quality: int
     Returns a ``pathlib.Path`` for a local cache root, the URI string for a remote one.
     """
     t0 = time.perf_counter()
-    listing = list_imagefolder(source)  # every input error surfaces here, before any worker starts
+    listing = list_source(source)  # every input error surfaces here, before any worker starts
     cache = _plan_cache(listing, cache_root, tiers, jpeg_quality, raw_max_resolution, shard_rows, limit)
     sizes = _sizes(cache.fs, cache.base)
     if MANIFEST in sizes and not verify and _manifest_intact(cache, sizes):
@@ -439,7 +487,7 @@ def prepare(source: str, cache_root: str, tiers: list[int], *, jpeg_quality: int
     return _as_result(cache.location)
 
 
-def _manifest(key: str, listing: SourceListing, params: dict[str, Any], units: list[dict[str, Any]],
+def _manifest(key: str, listing: SourceListing | RowListing, params: dict[str, Any], units: list[dict[str, Any]],
               done: dict[str, dict[str, Any]], tiers: list[int], formats: dict[int, str]) -> dict[str, Any]:
     splits: dict[str, Any] = {}
     for u in units:  # units are in (split, index) order
@@ -456,7 +504,13 @@ def _manifest(key: str, listing: SourceListing, params: dict[str, Any], units: l
             f = sc["files"][str(t)]
             sp["tiers"][str(t)]["shards"].append(
                 {"file": f["file"], "rows": f["rows"], "sha256": f["sha256"], "bytes": f["bytes"]})
-    return {"key": key, "source": listing.root, "classes": listing.classes, "params": params, "splits": splits,
+    for sp in splits.values():
+        if sp["num_listed"] < 0:  # tar shards: counted while reading
+            sp["num_listed"] = sp["num_selected"]
+    classes = listing.classes
+    if not classes:  # integer labels without names: "0".."max" over every built shard
+        classes = [str(i) for i in range(max((sc.get("max_label", -1) for sc in done.values()), default=-1) + 1)]
+    return {"key": key, "source": listing.root, "classes": classes, "params": params, "splits": splits,
             "bad_files": BAD_FILES, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 

@@ -1,4 +1,5 @@
-"""Source listing: an ImageFolder tree (``train/<class>/*.jpg``, ``val/<class>/*.jpg``) on any filesystem.
+"""Source listing: an ImageFolder tree (``train/<class>/*.jpg``, ``val/<class>/*.jpg``) on any filesystem;
+``detect_kind`` also recognises Parquet files and WebDataset tar shards (listed by app/data/sources.py).
 
 The listing is the identity of the source: every file's relative path, size and modification time go
 into the shard cache key, so a changed, added or removed image gives a new cache. It is sorted and
@@ -135,6 +136,31 @@ def list_imagefolder(root: str) -> SourceListing:
         entries.sort(key=lambda e: e.path)
         listing.splits[split] = entries
     return listing
+
+
+def detect_kind(root: str) -> str:
+    """'parquet', 'webdataset' or 'imagefolder', from the files at the top of ``root`` or in its data/,
+    train/, val/ or validation/ folder (a few small listings, never a walk of an ImageFolder tree)."""
+    norm = storage.normalise(root)
+    fs, base = resolve_fs(norm)
+    try:
+        info = fs.get_file_info(base)
+        if info.type != pafs.FileType.Directory:
+            return "imagefolder"  # list_imagefolder reports the missing path or the file
+        top = storage.list_dir(base, detail=True, fs=fs)
+        names = [i.base_name.lower() for i in top if i.type == pafs.FileType.File]
+        for sub in (i for i in top if i.type == pafs.FileType.Directory
+                    and i.base_name.lower() in ("data", "train", "val", "validation")):
+            names += [i.base_name.lower() for i in storage.list_dir(sub.path, detail=True, fs=fs)
+                      if i.type == pafs.FileType.File]
+    except OSError as exc:
+        raise DataError(f"{root}: cannot read the source ({exc}); expected an ImageFolder tree, Parquet files "
+                        "or WebDataset tar shards") from None
+    if any(n.endswith(".parquet") for n in names):
+        return "parquet"
+    if any(n.endswith(".tar") for n in names):
+        return "webdataset"
+    return "imagefolder"
 
 
 def local_path_or_none(root: str) -> str | None:

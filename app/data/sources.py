@@ -1,0 +1,20 @@
+"""Any supported source, by kind: an ImageFolder tree, Parquet files or WebDataset tar shards."""
+
+from __future__ import annotations
+
+from app import storage
+from app.data import sources_parquet, sources_webdataset
+from app.data.source import SourceListing, detect_kind, list_imagefolder, resolve_fs
+from app.data.sources_rows import RowListing
+
+
+def list_source(root: str) -> SourceListing | RowListing:
+    """The listing of ``root``: ``SourceListing`` for an ImageFolder tree, ``RowListing`` for Parquet files
+    or WebDataset tar shards. Every input error is a DataError naming the path."""
+    kind = detect_kind(root)
+    if kind == "imagefolder":
+        return list_imagefolder(root)
+    norm = storage.normalise(root)
+    fs, base = resolve_fs(norm)
+    lister = sources_parquet.list_parquet if kind == "parquet" else sources_webdataset.list_webdataset
+    return lister(norm, base, fs)
