@@ -15,6 +15,7 @@ from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from app.config import ModelConfig
 from app.train.device import unit_log
+from app.train.global_bn import convert_to_global_bn
 
 ARCHS = ("resnet_tiny", "resnet18", "resnet34", "resnet50")
 
@@ -83,6 +84,13 @@ def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
         model = getattr(torchvision.models, cfg.arch)(weights=None, num_classes=num_classes)
     else:
         raise ValueError(f"model.arch: bad value {cfg.arch!r}; allowed: {', '.join(ARCHS)}")
+    if cfg.global_bn:  # before the zero-init below, which must reach the swapped layers
+        n_bn = convert_to_global_bn(model)
+        unit_log("global_bn", f"{n_bn} BN layers normalise over the global batch (one all-reduce each per "
+                 "forward and backward when there is more than one worker)", layers=n_bn)
+    else:
+        unit_log("global_bn", "off (model.global_bn=false): each worker normalises its own share of the batch",
+                 layers=0)
     bns = residual_last_bns(model)
     if cfg.zero_init_residual:
         for bn in bns:
