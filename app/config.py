@@ -194,6 +194,10 @@ class DataConfig:
     demo_classes: Annotated[Int, Range(2, 1000)] = 10
     demo_train_per_class: Annotated[Int, Range(1, 10**6)] = 320
     demo_val_per_class: Annotated[Int, Range(1, 10**6)] = 60
+    # a source without val/ holds out this fraction of each train class as val (0 = 0.1 there; a source with
+    # val/ must keep 0: it is scored on val/); seeded by val_seed, recorded in the manifest and data.json
+    val_fraction: Annotated[Float, Range(0.0, 0.9)] = 0.0
+    val_seed: Int = 0
     limit_train: Annotated[Int, Range(0, 10**9)] = 0  # 0 = all; smoke runs use a small subset
     limit_val: Annotated[Int, Range(0, 10**9)] = 0
     verify_cache: Bool = False  # prepare re-hashes every cached shard (sha256) and rebuilds any that fail
@@ -225,6 +229,9 @@ class ModelConfig:
                                        "max-autotune-no-cudagraphs")] = "default"
     cudnn_benchmark: Bool = True  # let cuDNN time conv algorithms per shape (GPU only)
     tf32: Bool = True  # TF32 matmul/conv for the parts that stay fp32 (Ampere+ GPUs only)
+    # BatchNorm statistics over the global batch (an all-reduce per BN layer), so the steps do not depend on
+    # the worker count; false = each worker normalises its own share (app/train/global_bn.py says why)
+    global_bn: Bool = False
 
 
 @_section

@@ -42,7 +42,7 @@ from app import storage
 from app.data import images, sources_parquet, sources_webdataset
 from app.data.manifest import BAD_FILES, MANIFEST, Manifest
 from app.data.shard_cache import default_local_dir
-from app.data.source import DataError, SourceListing, resolve_fs
+from app.data.source import DataError, SourceListing, resolve_fs, run_val_fraction
 from app.data.sources import list_source
 from app.data.sources_rows import RowListing
 from app.storage import is_uri, join
@@ -451,18 +451,21 @@ def _write_manifest(cache: _Cache, units: list[dict[str, Any]], done: dict[str, 
 def prepare(source: str, cache_root: str, tiers: list[int], *, jpeg_quality: int = 90,
             raw_max_resolution: int = 64, shard_rows: int = 512, limit: dict[str, int] | None = None,
             verify: bool = False, num_cpus: float = 0.5, concurrency: int | None = None, io_threads: int = 8,
-            progress: Callable[[int, int], None] | None = None) -> pathlib.Path | str:
+            progress: Callable[[int, int], None] | None = None, val_fraction: float = 0.0,
+            val_seed: int = 0) -> pathlib.Path | str:
     """Build (or find) the shard cache of ``source`` and return its manifest folder.
 
     ``tiers``: short-side sizes to store. ``limit``: {"train": N, "val": M} takes N evenly spaced samples
     (0 = all). ``verify``: re-hash every cached shard and rebuild any whose sha256 fails (otherwise only
     presence and size are checked). ``num_cpus`` per task is fractional on purpose; ``concurrency`` caps
     tasks in flight (default: the cluster's logical CPU count). ``progress(done, total)`` is called on the
-    driver after each finished shard.
+    driver after each finished shard. ``val_fraction``/``val_seed``: the hold-out of a source without
+    ``val/`` (``app.data.source.hold_out``); it is part of the cache key and recorded in the manifest.
     Returns a ``pathlib.Path`` for a local cache root, the URI string for a remote one.
     """
     t0 = time.perf_counter()
-    listing = list_source(source)  # every input error surfaces here, before any worker starts
+    # every input error surfaces here, before any worker starts; the hold-out applies to ImageFolder trees
+    listing = list_source(source, val_fraction, val_seed)
     cache = _plan_cache(listing, cache_root, tiers, jpeg_quality, raw_max_resolution, shard_rows, limit)
     sizes = _sizes(cache.fs, cache.base)
     if MANIFEST in sizes and not verify and _manifest_intact(cache, sizes):
@@ -511,7 +514,8 @@ def _manifest(key: str, listing: SourceListing | RowListing, params: dict[str, A
     if not classes:  # integer labels without names: "0".."max" over every built shard
         classes = [str(i) for i in range(max((sc.get("max_label", -1) for sc in done.values()), default=-1) + 1)]
     return {"key": key, "source": listing.root, "classes": classes, "params": params, "splits": splits,
-            "bad_files": BAD_FILES, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "holdout": getattr(listing, "holdout", None), "bad_files": BAD_FILES,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 # --- CLI hook ------------------------------------------------------------------------------------
@@ -551,4 +555,5 @@ def prepare_main(cfg: Config) -> pathlib.Path | str:
                    raw_max_resolution=cfg.data.raw_max_resolution, shard_rows=cfg.data.shard_rows,
                    limit={k: v for k, v in limit.items() if v} or None, verify=cfg.data.verify_cache,
                    num_cpus=cfg.data.prepare_cpus_per_task, concurrency=cfg.data.prepare_concurrency or None,
-                   io_threads=cfg.data.prepare_io_threads)
+                   io_threads=cfg.data.prepare_io_threads, val_fraction=run_val_fraction(source, cfg.data.val_fraction),
+                   val_seed=cfg.data.val_seed)

@@ -11,6 +11,7 @@ a message naming the path, not minutes later inside a task.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
@@ -40,11 +41,14 @@ class SourceListing:
     root: str  # the normalised source: an absolute local path or a URI (s3://bucket/prefix)
     classes: list[str]  # index = label
     splits: dict[str, list[SourceEntry]] = field(default_factory=dict)
+    holdout: dict | None = None  # how val/ was drawn from train/ when the source has no val/ (see hold_out)
 
     def fingerprint(self) -> str:
         """sha256 over the root and every entry (path, size, mtime): the source half of the cache key."""
         h = hashlib.sha256()
         h.update(f"root\0{self.root}\nclasses\0{chr(0).join(self.classes)}\n".encode())
+        if self.holdout is not None:
+            h.update(f"holdout\0{self.holdout['val_fraction']!r}\0{self.holdout['seed']}\n".encode())
         for split in sorted(self.splits):
             for e in self.splits[split]:
                 h.update(f"{split}\0{e.path}\0{e.size}\0{e.mtime_ns}\0{e.label}\n".encode())
@@ -71,12 +75,14 @@ def _hidden(rel: str) -> bool:
     return any(part.startswith((".", "_")) for part in rel.split("/"))
 
 
-def list_imagefolder(root: str) -> SourceListing:
+def list_imagefolder(root: str, val_fraction: float = 0.0, seed: int = 0) -> SourceListing:
     """List ``root/{train,val}/<class>/**/<image>`` sorted by relative path.
 
     Classes are the sorted folder names of ``train/``; ``val/`` must use only those. Raises DataError
     for a missing root, no ``train/`` split, a split or class folder without images, or an unknown
-    val class.
+    val class. ``val_fraction`` > 0 on a source without ``val/`` holds out that fraction of each train
+    class as the val split (:func:`hold_out`, seeded by ``seed``); with a ``val/`` folder present it is a
+    DataError (which split to score would be ambiguous). 0 lists a train-only source as it is.
     """
     norm = storage.normalise(root)
     fs, base = resolve_fs(norm)
@@ -135,6 +141,11 @@ def list_imagefolder(root: str) -> SourceListing:
                    for name, files in classes.items() for path, size, mtime in files]
         entries.sort(key=lambda e: e.path)
         listing.splits[split] = entries
+    if "val" in listing.splits and val_fraction > 0:
+        raise DataError(f"{join(norm, 'val')}: the source has a val/ split, so data.val_fraction={val_fraction} "
+                        "has nothing to do; expected data.val_fraction=0 (use val/) or a source without val/")
+    if "val" not in listing.splits and val_fraction > 0:
+        hold_out(listing, val_fraction, seed)
     return listing
 
 
@@ -161,6 +172,60 @@ def detect_kind(root: str) -> str:
     if any(n.endswith(".tar") for n in names):
         return "webdataset"
     return "imagefolder"
+
+
+DEFAULT_VAL_FRACTION = 0.1  # what a run holds out of a train-only source when data.val_fraction is 0
+
+
+def run_val_fraction(root: str, val_fraction: float) -> float:
+    """The hold-out a training run uses: ``val_fraction`` if set, else DEFAULT_VAL_FRACTION for a source
+    without a ``val/`` folder and 0 (use ``val/``) for one with it."""
+    if val_fraction > 0:
+        return val_fraction
+    fs, base = resolve_fs(storage.normalise(root))
+    try:
+        has_val = fs.get_file_info(f"{base}/val").type == pafs.FileType.Directory
+    except OSError:
+        has_val = True  # unreadable: leave it to the listing, which names the problem
+    return 0.0 if has_val else DEFAULT_VAL_FRACTION
+
+
+def hold_out(listing: SourceListing, fraction: float, seed: int) -> None:
+    """Move round(fraction * n) images of every train class (n images) into a ``val`` split, in place.
+
+    Which images: the first of the class's files ordered by sha256(seed, path), so the split depends on
+    the seed and the file names only (not on other classes, the listing order or a library's RNG), and
+    is the same on every machine and at every resume. Raises DataError naming the class when its
+    hold-out would be empty or take every image (a class needs at least 2 images, and enough for
+    ``fraction`` to round to at least one but not all of them)."""
+    if not 0.0 < fraction < 1.0:
+        raise DataError(f"data.val_fraction: bad value {fraction!r}; expected a fraction in (0, 1)")
+    by_class: dict[int, list[SourceEntry]] = {}
+    for e in listing.splits["train"]:
+        by_class.setdefault(e.label, []).append(e)
+    train: list[SourceEntry] = []
+    val: list[SourceEntry] = []
+    per_class: dict[str, list[int]] = {}
+    digest = hashlib.sha256()
+    for label, entries in sorted(by_class.items()):
+        n, name = len(entries), listing.classes[label]
+        k = int(n * fraction + 0.5)
+        if n < 2 or not 0 < k < n:
+            raise DataError(f"{join(listing.root, 'train', name)}: class {name!r} has {n} image(s); a "
+                            f"{fraction:g} hold-out would take {k} of them (the source has no val/ split); "
+                            f"expected at least {max(2, math.ceil(0.5 / fraction))} images per class, a "
+                            "larger data.val_fraction, or a val/ folder")
+        ranked = sorted(entries, key=lambda e: hashlib.sha256(f"{seed}\0{e.path}".encode()).digest())
+        val.extend(ranked[:k])
+        train.extend(ranked[k:])
+        per_class[name] = [n - k, k]
+    train.sort(key=lambda e: e.path)
+    val.sort(key=lambda e: e.path)
+    for e in val:
+        digest.update(f"{e.path}\n".encode())
+    listing.splits["train"], listing.splits["val"] = train, val
+    listing.holdout = {"from": "train", "val_fraction": float(fraction), "seed": int(seed),
+                       "train_val_per_class": per_class, "val_paths_sha256": digest.hexdigest()}
 
 
 def local_path_or_none(root: str) -> str | None:

@@ -8,12 +8,13 @@ from app.data.source import SourceListing, detect_kind, list_imagefolder, resolv
 from app.data.sources_rows import RowListing
 
 
-def list_source(root: str) -> SourceListing | RowListing:
+def list_source(root: str, val_fraction: float = 0.0, val_seed: int = 0) -> SourceListing | RowListing:
     """The listing of ``root``: ``SourceListing`` for an ImageFolder tree, ``RowListing`` for Parquet files
-    or WebDataset tar shards. Every input error is a DataError naming the path."""
+    or WebDataset tar shards. Every input error is a DataError naming the path. ``val_fraction``/``val_seed``:
+    the hold-out of an ImageFolder tree without val/ (container sources name their splits in file names)."""
     kind = detect_kind(root)
     if kind == "imagefolder":
-        return list_imagefolder(root)
+        return list_imagefolder(root, val_fraction, val_seed)
     norm = storage.normalise(root)
     fs, base = resolve_fs(norm)
     lister = sources_parquet.list_parquet if kind == "parquet" else sources_webdataset.list_webdataset

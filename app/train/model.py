@@ -16,6 +16,7 @@ from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from app.config import TIMM_PREFIX, ModelConfig, check_arch
 from app.train.device import unit_log, unwrap_model  # noqa: F401  (re-exported)
+from app.train.global_bn import convert_to_global_bn
 
 
 class TinyResNet(nn.Module):
@@ -112,6 +113,13 @@ def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
     if num_classes < 1:
         raise ValueError(f"num_classes: bad value {num_classes}; expected at least 1")
     model = _create(cfg.arch, num_classes, cfg.zero_init_residual)
+    if cfg.global_bn:  # before the zero-init below, which must reach the swapped layers
+        n_bn = convert_to_global_bn(model)
+        unit_log("global_bn", f"{n_bn} BN layers normalise over the global batch (one all-reduce each per "
+                 "forward and backward when there is more than one worker)", layers=n_bn)
+    else:
+        unit_log("global_bn", "off (model.global_bn=false): each worker normalises its own share of the batch",
+                 layers=0)
     _zero_init(model, cfg.arch, cfg.zero_init_residual)
     n_params = sum(p.numel() for p in model.parameters())
     unit_log("model", f"{cfg.arch}: {n_params / 1e6:.2f}M parameters, {num_classes} classes", params=n_params)

@@ -203,7 +203,8 @@ def _write_run_files(cfg: Config, run_dir: str, manifest, spec: IngestSpec) -> N
     write_bytes(join(run_dir, "classes.json"), json.dumps(list(manifest.classes)).encode())
     write_bytes(join(run_dir, "data.json"), json.dumps(
         {"manifest": str(manifest.location), "train_samples": spec.train_size, "val_samples": sum(spec.val.rows),
-         "phase_tiers": [p.shards.tier for p in spec.phases], "val_tier": spec.val.tier}).encode())
+         "phase_tiers": [p.shards.tier for p in spec.phases], "val_tier": spec.val.tier,
+         "holdout": manifest.data.get("holdout")}).encode())
 
 
 def _announce_schedule(sched: Schedule, run_dir: str, eval_res: int, stream=None) -> None:

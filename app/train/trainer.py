@@ -94,6 +94,15 @@ class PhaseRun:
     loss_scale: float  # DDP averages over ranks: weight each rank's loss by its share of the batch
 
 
+def loss_scale(global_batch: int, world: int, rank: int) -> float:
+    """The factor on rank's mean loss that makes DDP's average over ranks the global batch's mean loss.
+
+    Rank r averages its n_r samples; DDP averages the W gradients. Weighting by n_r * W / B gives
+    (1/W) sum_r (n_r W / B) mean_r = (1/B) sum of every sample's loss, exactly, even for uneven splits."""
+    lo, hi = rank_slice(global_batch, world, rank)
+    return (hi - lo) * world / global_batch
+
+
 def rng_state() -> dict:
     return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
@@ -251,7 +260,7 @@ class Trainer:
         """Train the phase's epochs from ``pos``, validating and checkpointing at each epoch's end."""
         phase = self.cfg.schedule.phases[phase_idx]
         lo, hi = rank_slice(phase.batch_size, self.world, self.rank)
-        run = PhaseRun(phase_idx, phase, (hi - lo) * self.world / phase.batch_size)
+        run = PhaseRun(phase_idx, phase, loss_scale(phase.batch_size, self.world, self.rank))
         shard = ray.train.get_dataset_shard(f"train_p{phase_idx}")
         batches = iter(shard.iter_batches(batch_size=hi - lo, batch_format="numpy",
                                           prefetch_batches=self.spec.prefetch_batches, drop_last=False))

@@ -1,0 +1,85 @@
+"""Train-only ImageFolder sources: a seeded, stratified hold-out as the val split, recorded with the run."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+from app.data.source import DEFAULT_VAL_FRACTION, DataError, list_imagefolder, run_val_fraction
+
+ROOT = pathlib.Path(__file__).parents[1]
+
+
+def _train_only(root: pathlib.Path, counts: dict[str, int], size: int = 8) -> pathlib.Path:
+    for c, (name, n) in enumerate(sorted(counts.items())):
+        folder = root / "train" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in range(n):
+            Image.new("RGB", (size, size), (40 * c % 256, 7 * i % 256, 90)).save(folder / f"{i:03d}.jpg", "JPEG")
+    return root
+
+
+def test_holdout_is_stratified_disjoint_and_recorded(tmp_path):
+    root = _train_only(tmp_path / "ds", {"a": 10, "b": 20, "c": 7})
+    listing = list_imagefolder(str(root), 0.2, seed=3)
+    train, val = listing.splits["train"], listing.splits["val"]
+    per_class = {name: sum(e.label == i for e in val) for i, name in enumerate(listing.classes)}
+    assert per_class == {"a": 2, "b": 4, "c": 1}  # round(0.2 * n) of every class
+    assert not {e.path for e in train} & {e.path for e in val}
+    assert len(train) + len(val) == 37 and all(e.path.startswith("train/") for e in val)
+    assert [e.path for e in val] == sorted(e.path for e in val)
+    assert listing.holdout["val_fraction"] == 0.2 and listing.holdout["seed"] == 3
+    assert listing.holdout["train_val_per_class"] == {"a": [8, 2], "b": [16, 4], "c": [6, 1]}
+
+
+def test_holdout_is_deterministic_for_a_seed_and_changes_the_cache_key(tmp_path):
+    root = str(_train_only(tmp_path / "ds", {"a": 12, "b": 12}))
+    one, again = list_imagefolder(root, 0.25, 1), list_imagefolder(root, 0.25, 1)
+    other = list_imagefolder(root, 0.25, 2)
+    assert one.splits == again.splits and one.fingerprint() == again.fingerprint()
+    assert one.holdout["val_paths_sha256"] == again.holdout["val_paths_sha256"]
+    assert {e.path for e in one.splits["val"]} != {e.path for e in other.splits["val"]}
+    assert one.fingerprint() != other.fingerprint() != list_imagefolder(root).fingerprint()
+
+
+@pytest.mark.parametrize("counts, fraction, name, n", [({"a": 10, "tiny": 1}, 0.5, "tiny", 1),
+                                                       ({"a": 10, "few": 4}, 0.1, "few", 4)])
+def test_class_too_small_for_a_holdout_names_the_class_and_counts(tmp_path, counts, fraction, name, n):
+    root = _train_only(tmp_path / "ds", counts)
+    with pytest.raises(DataError, match=rf"train/{name}: class '{name}' has {n} image\(s\)"):
+        list_imagefolder(str(root), fraction, 0)
+
+
+def test_val_fraction_with_a_val_folder_is_an_error_and_the_run_rule(tmp_path):
+    root = _train_only(tmp_path / "ds", {"a": 10})
+    assert "val" not in list_imagefolder(str(root)).splits  # a library listing with 0 stays as it is
+    assert run_val_fraction(str(root), 0.0) == DEFAULT_VAL_FRACTION and run_val_fraction(str(root), 0.3) == 0.3
+    (root / "val" / "a").mkdir(parents=True)
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(root / "val" / "a" / "v.jpg", "JPEG")
+    assert run_val_fraction(str(root), 0.0) == 0.0
+    with pytest.raises(DataError, match="has a val/ split, so data.val_fraction=0.2"):
+        list_imagefolder(str(root), 0.2, 0)
+
+
+def test_train_only_imagefolder_trains_through_a_smoke_run(tmp_path):
+    data = _train_only(tmp_path / "ds", {"cat": 40, "dog": 40, "owl": 40}, size=24)
+    storage = tmp_path / "runs"
+    proc = subprocess.run(
+        [sys.executable, "app/run.py", "--smoke-test", "--data", str(data), "--storage", str(storage),
+         "--name", "trainonly", "--scaling.ray_address=local", "--data.val_seed=5"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = storage / "trainonly"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and 0.0 <= summary["final_top1"] <= 1.0
+    recorded = json.loads((run_dir / "data.json").read_text())
+    assert recorded["holdout"]["val_fraction"] == DEFAULT_VAL_FRACTION and recorded["holdout"]["seed"] == 5
+    assert recorded["holdout"]["train_val_per_class"] == {"cat": [36, 4], "dog": [36, 4], "owl": [36, 4]}
+    assert recorded["val_samples"] == 12
+    manifest = json.loads((pathlib.Path(recorded["manifest"]) / "manifest.json").read_text())
+    assert manifest["holdout"] == recorded["holdout"]  # the cache, resume and eval read the same split
