@@ -69,11 +69,16 @@ def _at(path: str, fs: pafs.FileSystem | None) -> tuple[pafs.FileSystem, str]:
 
 
 def join(base: str, *parts: str) -> str:
-    """Join onto a local path or a URI with "/" (``os.path.join`` would break s3://)."""
-    out = str(base).rstrip("/")
+    """Join onto a local path or a URI with "/" (``os.path.join`` would break s3://). A URI's query string
+    (``?endpoint_override=...``) stays at the end, where pyarrow looks for it."""
+    base, query = str(base), ""
+    if is_uri(base) and "?" in base:
+        base, query = base.split("?", 1)
+        query = "?" + query
+    out = base.rstrip("/")
     for p in parts:
         out = f"{out}/{str(p).strip('/')}"
-    return out
+    return out + query
 
 
 # --- reading ---------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from app.storage import join, write_bytes
 from app.train.state import choose_and_record_resume, list_checkpoints
 
 log = logging.getLogger("lightray")
+_started_local = False  # whether connect_ray started the cluster (for the start-up line)
 
 
 def default_storage() -> str:
@@ -58,6 +59,7 @@ def resolve_run(cfg: Config, resume: bool = False) -> None:
 def connect_ray(cfg: Config, verbose: bool = False) -> None:
     """Join a running cluster if there is one, else start a local one with more logical CPUs than cores
     (Train workers reserve CPUs; Ray Data's tasks need some left or the run stalls)."""
+    global _started_local
     if ray.is_initialized():
         return
     # The dashboard brings the State API, which Ray Train needs to clean up the placement group of a trial
@@ -72,6 +74,7 @@ def connect_ray(cfg: Config, verbose: bool = False) -> None:
     address = cfg.scaling.ray_address
     if address == "local":  # always a fresh local cluster (tests, isolated runs)
         ray.init(address="local", num_cpus=cfg.scaling.ray_num_cpus or 2 * (os.cpu_count() or 1), **kwargs)
+        _started_local = True
         return
     if address == "auto" and not os.environ.get("RAY_ADDRESS"):
         try:
@@ -81,9 +84,20 @@ def connect_ray(cfg: Config, verbose: bool = False) -> None:
             pass
         ncpu = cfg.scaling.ray_num_cpus or 2 * (os.cpu_count() or 1)
         ray.init(address="local", num_cpus=ncpu, **kwargs)
+        _started_local = True
     else:
         ray.init(address=None if address == "auto" else address,
                  **{k: v for k, v in kwargs.items() if k != "include_dashboard"})
+
+
+def describe_cluster() -> str:
+    """Which cluster the run is on: started here or joined, its address, nodes, CPUs and GPUs."""
+    address = ray.get_runtime_context().gcs_address
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    res = ray.cluster_resources()
+    how = "started a local Ray cluster" if _started_local else "joined the Ray cluster"
+    return (f"{how} at {address}: {len(nodes)} node(s), {res.get('CPU', 0):g} CPUs, "
+            f"{res.get('GPU', 0):g} GPUs")
 
 
 def eval_resolution(cfg: Config) -> int:
@@ -133,7 +147,19 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
                  stream=None, callbacks: list | None = None) -> dict[str, Any]:
     """Run (or with ``resume``, continue) one training run; returns the summary written to summary.json.
 
-    ``callbacks`` are Ray Train ``UserCallback``s (the tuner passes ``TuneReportCallback``)."""
+    ``callbacks`` are Ray Train ``UserCallback``s (the tuner passes ``TuneReportCallback``). A second driver
+    on a run that a live driver holds raises RunLockedError (a FileExistsError: exit status 2)."""
+    from app.train.run_lock import RunLock
+
+    resolve_run(cfg, resume)
+    # Before anything else touches the run folder: a second driver must not even check its checkpoints.
+    with RunLock(join(cfg.storage, cfg.name)):
+        return _run_locked(cfg, resume=resume, progress=progress, verbose=verbose, stream=stream,
+                           callbacks=callbacks)
+
+
+def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, stream, callbacks: list | None
+                ) -> dict[str, Any]:
     from app.data.manifest import Manifest
     from app.data.prepare import prepare_main
     from app.report.runlog import start_runlog
@@ -141,6 +167,8 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
     run_dir, local_run_dir = _open_run_dir(cfg, resume)
     t0 = time.time()
     connect_ray(cfg, verbose)
+    if progress:
+        print(f"lightray: {describe_cluster()}", file=stream or sys.stdout, flush=True)
     manifest = Manifest.load(str(prepare_main(cfg)))
     spec, sched = build_ingest_spec(cfg, manifest)
     _write_run_files(cfg, run_dir, manifest, spec)
@@ -154,7 +182,6 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
 
 def _open_run_dir(cfg: Config, resume: bool) -> tuple[str, str]:
     """(run folder, its local mirror for logs); a new run may not reuse a folder that has checkpoints."""
-    resolve_run(cfg, resume)
     run_dir = join(cfg.storage, cfg.name)
     local_run_dir = run_dir if "://" not in run_dir else str(pathlib.Path.home() / "lightray_runs" / cfg.name)
     os.makedirs(local_run_dir, exist_ok=True)
@@ -183,7 +210,7 @@ def _build_trainer(cfg: Config, run_dir: str, spec: IngestSpec, sched: Schedule,
                    callbacks: list | None):
     """The TorchTrainer: elastic worker range, failure and checkpoint policy, one dataset per phase."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     from app.data.ingest import PlanDataConfig
     from app.train.worker import train_loop_per_worker
@@ -194,6 +221,9 @@ def _build_trainer(cfg: Config, run_dir: str, spec: IngestSpec, sched: Schedule,
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": cfg.to_dict(), "spec": spec, "run_dir": run_dir, "num_classes": num_classes},
+        # Every collective of the process group (gloo and NCCL) fails after this long: a hung peer becomes
+        # a worker-group restart within minutes, not after torch's 30-minute default.
+        torch_config=TorchConfig(timeout_s=cfg.scaling.collective_timeout_s),
         scaling_config=ScalingConfig(num_workers=(lo, hi) if lo < hi else hi, use_gpu=use_gpu,
                                      resources_per_worker={"CPU": cfg.scaling.cpus_per_worker,
                                                            **cfg.scaling.worker_resources},
