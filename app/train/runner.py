@@ -169,15 +169,21 @@ def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, str
     connect_ray(cfg, verbose)
     if progress:
         print(f"lightray: {describe_cluster()}", file=stream or sys.stdout, flush=True)
-    manifest = Manifest.load(str(prepare_main(cfg)))
-    spec, sched = build_ingest_spec(cfg, manifest)
-    _write_run_files(cfg, run_dir, manifest, spec)
-    use_gpu = _use_gpu(cfg)
-    _limit_data_resources(cfg.worker_range()[1] * cfg.scaling.cpus_per_worker)
-    runlog = start_runlog(cfg.name, local_run_dir, cfg.report.tensorboard)
-    trainer = _build_trainer(cfg, run_dir, spec, sched, len(manifest.classes), use_gpu, callbacks)
-    error, spot = _fit(trainer, cfg, local_run_dir, runlog, stream=(stream or sys.stdout) if progress else None)
-    return _write_result(cfg, run_dir, local_run_dir, t0, sched, use_gpu, error, spot)
+    from app.train.billing import NodeMeter
+
+    meter = NodeMeter(run_dir, cfg.cost.node_type).start()  # every attempt's machine time, kept outside checkpoints
+    try:
+        manifest = Manifest.load(str(prepare_main(cfg)))
+        spec, sched = build_ingest_spec(cfg, manifest)
+        _write_run_files(cfg, run_dir, manifest, spec)
+        use_gpu = _use_gpu(cfg)
+        _limit_data_resources(cfg.worker_range()[1] * cfg.scaling.cpus_per_worker)
+        runlog = start_runlog(cfg.name, local_run_dir, cfg.report.tensorboard)
+        trainer = _build_trainer(cfg, run_dir, spec, sched, len(manifest.classes), use_gpu, callbacks)
+        error, spot = _fit(trainer, cfg, local_run_dir, runlog, stream=(stream or sys.stdout) if progress else None)
+    finally:
+        billing = meter.stop()
+    return _write_result(cfg, run_dir, local_run_dir, t0, sched, use_gpu, error, spot, billing)
 
 
 def _open_run_dir(cfg: Config, resume: bool) -> tuple[str, str]:
@@ -266,7 +272,7 @@ def _fit(trainer, cfg: Config, local_run_dir: str, runlog, stream) -> tuple[Exce
 
 
 def _write_result(cfg: Config, run_dir: str, local_run_dir: str, t0: float, sched: Schedule, use_gpu: bool,
-                  error: Exception | None, spot: list[dict]) -> dict[str, Any]:
+                  error: Exception | None, spot: list[dict], billing: dict | None = None) -> dict[str, Any]:
     """Write summary.json from the run's metrics; re-raise the run's error after writing it."""
     from app.report.progress import read_metrics
     from app.report.summary import write_summary
@@ -275,7 +281,8 @@ def _write_result(cfg: Config, run_dir: str, local_run_dir: str, t0: float, sche
     summary = write_summary(cfg, run_dir, local_run_dir, records, t0, time.time(), sched,
                             use_gpu=use_gpu, error=error,
                             spot={"watched_nodes": len(spot), "notices": sum(s.get("notices", 0) > 0 for s in spot),
-                                  "drained": sum(bool(s.get("drained")) for s in spot)})
+                                  "drained": sum(bool(s.get("drained")) for s in spot)},
+                            billing=billing)
     if error is not None:
         raise error
     return summary
