@@ -234,7 +234,7 @@ def _build_trainer(cfg: Config, run_dir: str, spec: IngestSpec, sched: Schedule,
                                      resources_per_worker={"CPU": cfg.scaling.cpus_per_worker,
                                                            **cfg.scaling.worker_resources},
                                      elastic_resize_monitor_interval_s=cfg.scaling.resize_check_s),
-        run_config=RunConfig(name=cfg.name, storage_path=cfg.storage,
+        run_config=RunConfig(name=cfg.name, **_ray_storage(cfg.storage),
                              failure_config=FailureConfig(max_failures=cfg.scaling.max_failures,
                                                           max_preemption_failures=-1),
                              checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
@@ -242,6 +242,18 @@ def _build_trainer(cfg: Config, run_dir: str, spec: IngestSpec, sched: Schedule,
         datasets=datasets,
         dataset_config=PlanDataConfig(spec),
     )
+
+
+def _ray_storage(storage_path: str) -> dict[str, Any]:
+    """RunConfig storage arguments: an object-store URI goes to Ray Train as the same pyarrow filesystem our
+    own storage uses (its endpoint and options, delayed open: Ray's writes of empty marker files otherwise go
+    up as empty multipart uploads, which S3-compatible servers may reject)."""
+    from app.storage import is_uri, resolve_fs
+
+    if not is_uri(storage_path):
+        return {"storage_path": storage_path}
+    fs, inner = resolve_fs(storage_path)
+    return {"storage_path": inner, "storage_filesystem": fs}
 
 
 def _fit(trainer, cfg: Config, local_run_dir: str, runlog, stream) -> tuple[Exception | None, list[dict]]:
@@ -274,10 +286,15 @@ def _fit(trainer, cfg: Config, local_run_dir: str, runlog, stream) -> tuple[Exce
 def _write_result(cfg: Config, run_dir: str, local_run_dir: str, t0: float, sched: Schedule, use_gpu: bool,
                   error: Exception | None, spot: list[dict], billing: dict | None = None) -> dict[str, Any]:
     """Write summary.json from the run's metrics; re-raise the run's error after writing it."""
-    from app.report.progress import read_metrics
+    from app.report.progress import MetricsFileError, read_metrics
     from app.report.summary import write_summary
 
-    records = read_metrics(os.path.join(local_run_dir, "metrics.jsonl"))[0]
+    try:
+        records = read_metrics(os.path.join(local_run_dir, "metrics.jsonl"))[0]
+    except MetricsFileError:
+        if error is None:
+            raise
+        records = []  # the run failed before its first metrics line: summary.json must still name the cause
     summary = write_summary(cfg, run_dir, local_run_dir, records, t0, time.time(), sched,
                             use_gpu=use_gpu, error=error,
                             spot={"watched_nodes": len(spot), "notices": sum(s.get("notices", 0) > 0 for s in spot),
