@@ -295,6 +295,8 @@ class ScalingConfig:
     spot_endpoint: Str = "http://169.254.169.254"  # instance metadata service (IMDSv2) base URL
     # AWS gives two minutes' notice; 5 s polls leave ~115 s to checkpoint
     spot_poll_s: Annotated[Float, Range(0.05, 60.0)] = 5.0
+    # seconds before a collective (gloo or NCCL) with a missing or hung peer fails and the group restarts
+    collective_timeout_s: Annotated[Int, Range(1, 86400)] = 300
 
 
 @_section

@@ -60,9 +60,23 @@ def lost_work(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _priced(cfg: Config, billing: dict | None) -> dict[str, float] | None:
+    """Node-seconds per price key; a key without a price in ``cost.price_per_hour`` is billed as
+    ``cost.node_type`` (the summary of a finished run must not fail on a missing price)."""
+    if not billing or not billing.get("node_seconds"):
+        return None
+    out: dict[str, float] = {}
+    for key, secs in billing["node_seconds"].items():
+        key = key if key in cfg.cost.price_per_hour else cfg.cost.node_type
+        out[key] = out.get(key, 0.0) + float(secs)
+    return out
+
+
 def write_summary(cfg: Config, run_dir: str, local_run_dir: str, records: list[dict[str, Any]], t0: float,
                   t1: float, sched, *, use_gpu: bool, error: BaseException | None = None,
-                  spot: dict | None = None) -> dict[str, Any]:
+                  spot: dict | None = None, billing: dict | None = None) -> dict[str, Any]:
+    """``billing`` (app/train/billing.py): node-seconds per price key over every attempt of the run; when
+    given, the cost bills them (rolled-back work included) instead of inferring machines from devices."""
     from app.report.cost import estimate_cost
 
     train = [r for r in records if "event" not in r]
@@ -99,7 +113,8 @@ def write_summary(cfg: Config, run_dir: str, local_run_dir: str, records: list[d
         "comm_mode": cfg.comm.mode,
         "comm_bytes_per_worker": int(last.get("comm_bytes", 0)),
         "device_seconds": device_seconds,
-        "cost": estimate_cost(cfg.cost, device_seconds, None),
+        "cost": estimate_cost(cfg.cost, device_seconds, _priced(cfg, billing)),
+        "attempts": len((billing or {}).get("attempts", [])) or None,
         "git_revision": git_revision(),
         "versions": versions(),
         "hardware": hardware(use_gpu),

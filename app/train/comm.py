@@ -66,6 +66,7 @@ import copy
 import itertools
 import math
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -170,8 +171,10 @@ class CommHook:
     """The DDP communication hook of one worker; see the module docstring for the modes."""
 
     def __init__(self, cfg: CommConfig, topology: Topology, device: torch.device, optimizer: str = "sgd",
-                 nesterov: bool = False):
+                 nesterov: bool = False, timeout_s: float | None = None):
         self.cfg = cfg
+        # Subgroups take torch's 30-minute default unless told: give them the main group's timeout.
+        self.group_timeout = timedelta(seconds=timeout_s) if timeout_s else None
         self.topology = topology
         self.device = torch.device(device)
         self.mode = cfg.mode
@@ -287,8 +290,8 @@ class CommHook:
         node_groups, cross_groups = build_groups(self.topology)
         sizes = {len(g) for g in node_groups}
         # Every rank creates every group in the same order, as new_group requires.
-        made_nodes = [dist.new_group(g) for g in node_groups]
-        made_cross = [dist.new_group(g) for g in cross_groups]
+        made_nodes = [dist.new_group(g, timeout=self.group_timeout) for g in node_groups]
+        made_cross = [dist.new_group(g, timeout=self.group_timeout) for g in cross_groups]
         rank = dist.get_rank()
         placement_local = {}
         for g in cross_groups:

@@ -37,8 +37,6 @@ from app.train import placement
 from app.train.state import choose_and_record_resume, list_checkpoints
 
 log = logging.getLogger("lightray")
-
-
 def default_storage() -> str:
     return os.environ.get("LIGHTRAY_STORAGE", str(pathlib.Path.cwd() / "lightray_runs"))
 
@@ -94,6 +92,16 @@ def connect_ray(cfg: Config, verbose: bool = False, dashboard: bool = False) -> 
     return False
 
 
+def describe_cluster(started_here: bool) -> str:
+    """Which cluster the run is on: started here or joined, its address, nodes, CPUs and GPUs."""
+    address = ray.get_runtime_context().gcs_address
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    res = ray.cluster_resources()
+    how = "started a local Ray cluster" if started_here else "joined the Ray cluster"
+    return (f"{how} at {address}: {len(nodes)} node(s), {res.get('CPU', 0):g} CPUs, "
+            f"{res.get('GPU', 0):g} GPUs")
+
+
 def eval_resolution(cfg: Config) -> int:
     return default_eval_resolution(cfg.schedule)
 
@@ -146,7 +154,19 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
                  stream=None, callbacks: list | None = None) -> dict[str, Any]:
     """Run (or with ``resume``, continue) one training run; returns the summary written to summary.json.
 
-    ``callbacks`` are Ray Train ``UserCallback``s (the tuner passes ``TuneReportCallback``)."""
+    ``callbacks`` are Ray Train ``UserCallback``s (the tuner passes ``TuneReportCallback``). A second driver
+    on a run that a live driver holds raises RunLockedError (a FileExistsError: exit status 2)."""
+    from app.train.run_lock import RunLock
+
+    resolve_run(cfg, resume)
+    # Before anything else touches the run folder: a second driver must not even check its checkpoints.
+    with RunLock(join(cfg.storage, cfg.name)):
+        return _run_locked(cfg, resume=resume, progress=progress, verbose=verbose, stream=stream,
+                           callbacks=callbacks)
+
+
+def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, stream, callbacks: list | None
+                ) -> dict[str, Any]:
     from app.data.manifest import Manifest
     from app.data.prepare import prepare_main
     from app.report.runlog import start_runlog
@@ -156,22 +176,30 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
     startup.reset()
     with startup.phase("ray_start"):
         started_here = connect_ray(cfg, verbose)
-    use_gpu = _use_gpu(cfg)
-    waiting = _check_placement(cfg, use_gpu, started_here, stream or sys.stdout)
-    with startup.phase("data_prepare"):
-        manifest = Manifest.load(str(prepare_main(cfg)))
-    spec, sched = build_ingest_spec(cfg, manifest)
-    setup_start = time.time()
-    _write_run_files(cfg, run_dir, manifest, spec)
-    _announce_schedule(sched, run_dir, eval_resolution(cfg), stream=(stream or sys.stdout) if progress else None)
-    _limit_data_resources(cfg.worker_range()[1] * cfg.scaling.cpus_per_worker)
-    runlog = start_runlog(cfg.name, local_run_dir, cfg.report.tensorboard)
-    trainer = _build_trainer(cfg, run_dir, spec, sched, len(manifest.classes), use_gpu, callbacks)
-    startup.add("trainer_setup", setup_start)
-    startup.write(local_run_dir)
-    error, spot = _fit(trainer, cfg, local_run_dir, runlog, waiting,
-                       stream=(stream or sys.stdout) if progress else None)
-    return _write_result(cfg, run_dir, local_run_dir, t0, sched, use_gpu, error, spot)
+    if progress:
+        print(f"lightray: {describe_cluster(started_here)}", file=stream or sys.stdout, flush=True)
+    from app.train.billing import NodeMeter
+
+    meter = NodeMeter(run_dir, cfg.cost.node_type).start()  # every attempt's machine time, kept outside checkpoints
+    try:
+        use_gpu = _use_gpu(cfg)
+        waiting = _check_placement(cfg, use_gpu, started_here, stream or sys.stdout)
+        with startup.phase("data_prepare"):
+            manifest = Manifest.load(str(prepare_main(cfg)))
+        spec, sched = build_ingest_spec(cfg, manifest)
+        setup_start = time.time()
+        _write_run_files(cfg, run_dir, manifest, spec)
+        _announce_schedule(sched, run_dir, eval_resolution(cfg), stream=(stream or sys.stdout) if progress else None)
+        _limit_data_resources(cfg.worker_range()[1] * cfg.scaling.cpus_per_worker)
+        runlog = start_runlog(cfg.name, local_run_dir, cfg.report.tensorboard)
+        trainer = _build_trainer(cfg, run_dir, spec, sched, len(manifest.classes), use_gpu, callbacks)
+        startup.add("trainer_setup", setup_start)
+        startup.write(local_run_dir)
+        error, spot = _fit(trainer, cfg, local_run_dir, runlog, waiting,
+                           stream=(stream or sys.stdout) if progress else None)
+    finally:
+        billing = meter.stop()
+    return _write_result(cfg, run_dir, local_run_dir, t0, sched, use_gpu, error, spot, billing)
 
 
 def _check_placement(cfg: Config, use_gpu: bool, started_here: bool, stream) -> placement.WaitReporter:
@@ -187,7 +215,6 @@ def _check_placement(cfg: Config, use_gpu: bool, started_here: bool, stream) -> 
 
 def _open_run_dir(cfg: Config, resume: bool) -> tuple[str, str]:
     """(run folder, its local mirror for logs); a new run may not reuse a folder that has checkpoints."""
-    resolve_run(cfg, resume)
     run_dir = join(cfg.storage, cfg.name)
     local_run_dir = run_dir if "://" not in run_dir else str(pathlib.Path.home() / "lightray_runs" / cfg.name)
     os.makedirs(local_run_dir, exist_ok=True)
@@ -225,7 +252,7 @@ def _build_trainer(cfg: Config, run_dir: str, spec: IngestSpec, sched: Schedule,
                    callbacks: list | None):
     """The TorchTrainer: elastic worker range, failure and checkpoint policy, one dataset per phase."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     from app.data.ingest import PlanDataConfig
     from app.train.worker import train_loop_per_worker
@@ -238,11 +265,14 @@ def _build_trainer(cfg: Config, run_dir: str, spec: IngestSpec, sched: Schedule,
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": cfg.to_dict(), "spec": spec, "run_dir": run_dir, "num_classes": num_classes},
+        # Every collective of the process group (gloo and NCCL) fails after this long: a hung peer becomes
+        # a worker-group restart within minutes, not after torch's 30-minute default.
+        torch_config=TorchConfig(timeout_s=cfg.scaling.collective_timeout_s),
         scaling_config=ScalingConfig(num_workers=(lo, hi) if lo < hi else hi, use_gpu=use_gpu,
                                      resources_per_worker={"CPU": cfg.scaling.cpus_per_worker,
                                                            **cfg.scaling.worker_resources},
                                      elastic_resize_monitor_interval_s=cfg.scaling.resize_check_s),
-        run_config=RunConfig(name=cfg.name, storage_path=cfg.storage,
+        run_config=RunConfig(name=cfg.name, **_ray_storage(cfg.storage),
                              failure_config=FailureConfig(max_failures=cfg.scaling.max_failures,
                                                           max_preemption_failures=-1),
                              checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
@@ -250,6 +280,18 @@ def _build_trainer(cfg: Config, run_dir: str, spec: IngestSpec, sched: Schedule,
         datasets=datasets,
         dataset_config=PlanDataConfig(spec),
     )
+
+
+def _ray_storage(storage_path: str) -> dict[str, Any]:
+    """RunConfig storage arguments: an object-store URI goes to Ray Train as the same pyarrow filesystem our
+    own storage uses (its endpoint and options, delayed open: Ray's writes of empty marker files otherwise go
+    up as empty multipart uploads, which S3-compatible servers may reject)."""
+    from app.storage import is_uri, resolve_fs
+
+    if not is_uri(storage_path):
+        return {"storage_path": storage_path}
+    fs, inner = resolve_fs(storage_path)
+    return {"storage_path": inner, "storage_filesystem": fs}
 
 
 def _fit(trainer, cfg: Config, local_run_dir: str, runlog, waiting: placement.WaitReporter,
@@ -283,16 +325,22 @@ def _fit(trainer, cfg: Config, local_run_dir: str, runlog, waiting: placement.Wa
 
 
 def _write_result(cfg: Config, run_dir: str, local_run_dir: str, t0: float, sched: Schedule, use_gpu: bool,
-                  error: Exception | None, spot: list[dict]) -> dict[str, Any]:
+                  error: Exception | None, spot: list[dict], billing: dict | None = None) -> dict[str, Any]:
     """Write summary.json from the run's metrics; re-raise the run's error after writing it."""
-    from app.report.progress import read_metrics
+    from app.report.progress import MetricsFileError, read_metrics
     from app.report.summary import write_summary
 
-    records = read_metrics(os.path.join(local_run_dir, "metrics.jsonl"))[0]
+    try:
+        records = read_metrics(os.path.join(local_run_dir, "metrics.jsonl"))[0]
+    except MetricsFileError:
+        if error is None:
+            raise
+        records = []  # the run failed before its first metrics line: summary.json must still name the cause
     summary = write_summary(cfg, run_dir, local_run_dir, records, t0, time.time(), sched,
                             use_gpu=use_gpu, error=error,
                             spot={"watched_nodes": len(spot), "notices": sum(s.get("notices", 0) > 0 for s in spot),
-                                  "drained": sum(bool(s.get("drained")) for s in spot)})
+                                  "drained": sum(bool(s.get("drained")) for s in spot)},
+                            billing=billing)
     if error is not None:
         raise error
     return summary

@@ -31,6 +31,7 @@ from app.data.ingest import IngestSpec
 from app.data.plan import rank_slice
 from app.report.runlog import get_runlog
 from app.schedule import Position, Schedule
+from app.storage import join
 from app.train import device as dev
 from app.train.comm import CommHook
 from app.train.ema import ModelEMA
@@ -48,6 +49,10 @@ RANK_KEYS = ("comm", "rng")  # every rank's own part of a checkpoint; the rest i
 
 class PreemptedError(RuntimeError):
     """Raised after the preemption checkpoint so that Ray Train restarts the group off the draining node."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written; the message names the folder and the cause in one line."""
 
 
 class RunLogReporter:
@@ -169,7 +174,8 @@ class Trainer:
         self.ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                        bucket_cap_mb=self.bucket_mb, gradient_as_bucket_view=True)
         self.comm = CommHook(cfg.comm, topology, self.device, optimizer=cfg.optim.name,
-                             nesterov=cfg.optim.nesterov and cfg.optim.momentum > 0)
+                             nesterov=cfg.optim.nesterov and cfg.optim.momentum > 0,
+                             timeout_s=cfg.scaling.collective_timeout_s)
         self.comm.install(self.ddp)
         self.forward = dev.maybe_compile(self.ddp, cfg.model, self.device)
 
@@ -451,12 +457,19 @@ class Trainer:
         self.counters.device_seconds += (now - self.clock) * self.world
         self.counters.train_seconds += now - self.clock
         self.clock = time.time()
-        with tempfile.TemporaryDirectory() as tmp:
-            meta = {"samples_seen": self.counters.samples_seen, "world_size": self.world, "reason": reason,
-                    "time": time.time(), "step": self.counters.step}
-            save_rank_state(tmp, self.rank, self.state_dict(), meta)
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
-                             checkpoint_dir_name=checkpoint_name(self.counters.samples_seen))
+        name = checkpoint_name(self.counters.samples_seen)
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                meta = {"samples_seen": self.counters.samples_seen, "world_size": self.world, "reason": reason,
+                        "time": time.time(), "step": self.counters.step}
+                save_rank_state(tmp, self.rank, self.state_dict(), meta)
+                # Ray Train copies the folder to storage here; a copy that fails part-way raises here too and
+                # leaves a folder whose hashes do not match, which resume skips (app/train/state.py).
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
+                                 checkpoint_dir_name=name)
+        except OSError as exc:  # disk full, permission, storage error: the worker group restarts or the run fails
+            raise CheckpointWriteError(f"checkpoint write failed: {join(self.run_dir, name)} (rank {self.rank}): "
+                                       f"{exc}; earlier checkpoints are kept") from exc
         self.last_ckpt_time = time.time()
 
     def _check_preemption(self) -> None:

@@ -1,0 +1,86 @@
+"""Collective timeouts: ``scaling.collective_timeout_s`` reaches the TorchTrainer's process group, and a
+gloo group with a short timeout turns a missing peer into an error within seconds."""
+
+from __future__ import annotations
+
+import pathlib
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+from app.config import load_config
+
+ROOT = pathlib.Path(__file__).parents[1]
+
+
+def test_the_configured_timeout_is_the_trainers_torch_config(tmp_path):
+    from ray.train.torch import TorchConfig
+
+    from app.data.spec import IngestSpec, TierShards
+    from app.schedule import Schedule
+    from app.train.runner import _build_trainer
+
+    cfg = load_config("smoke", {"scaling.collective_timeout_s": "7", "name": "t", "storage": str(tmp_path)})
+    spec = IngestSpec(seed=0, local_dir=str(tmp_path), train_size=64, phases=[],
+                      val=TierShards(48, "jpeg", [], [], []), eval_resolution=48, val_crop_ratio=0.875)
+    trainer = _build_trainer(cfg, str(tmp_path / "t"), spec, Schedule(cfg.schedule, cfg.optim, 64), 10, False, None)
+    assert isinstance(trainer.backend_config, TorchConfig)
+    assert trainer.backend_config.timeout_s == 7
+    assert load_config("smoke").scaling.collective_timeout_s == 300  # short by default, not torch's 30 min
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Rank 0 calls all_reduce; rank 1 joins the group but never calls it (a hung peer), sleeping far longer.
+RANK = textwrap.dedent("""
+    import datetime, os, sys, time
+    import torch, torch.distributed as dist
+    rank, port, timeout = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=timeout))
+    if rank == 1:
+        time.sleep(120)
+        sys.exit(0)
+    t0 = time.time()
+    try:
+        dist.all_reduce(torch.ones(4))
+    except Exception as exc:
+        print(f"raised after {time.time() - t0:.1f} s: {type(exc).__name__}", flush=True)
+        os._exit(0)
+    print("no error", flush=True)
+    os._exit(1)
+""")
+
+
+def test_a_collective_with_a_hung_peer_fails_within_the_timeout():
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(port), "2"], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        t0 = time.time()
+        out, err = procs[0].communicate(timeout=90)
+        assert procs[0].returncode == 0, out + err[-2000:]
+        assert out.startswith("raised after"), out
+        # 2 s of timeout, measured inside the rank: far below torch's 30-minute default.
+        assert float(out.split()[2]) < 15, out
+        assert time.time() - t0 < 90
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_hierarchical_subgroups_take_the_configured_timeout():
+    from app.config import CommConfig
+    from app.train.comm import CommHook
+    from app.train.topology import Topology
+
+    topology = Topology(world_size=1, rank=0, local_rank=0, local_world_size=1, node_rank=0, num_nodes=1)
+    hook = CommHook(CommConfig(mode="hierarchical_topk"), topology, "cpu", timeout_s=9)
+    assert hook.group_timeout is not None and hook.group_timeout.total_seconds() == 9

@@ -1,0 +1,115 @@
+"""One driver per run: the lock file in the run folder, with real processes (live, killed, another host)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from app import storage
+from app.train.run_lock import LOCK_NAME, RunLock, RunLockedError, read_holder
+
+ROOT = pathlib.Path(__file__).parents[1]
+
+
+def _holder_process(run_dir: pathlib.Path) -> subprocess.Popen:
+    """A real process that takes the run lock and then sleeps (until killed)."""
+    script = textwrap.dedent(f"""
+        import time
+        from app.train.run_lock import RunLock
+        RunLock({str(run_dir)!r}, heartbeat_s=0.5).acquire()
+        print("locked", flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_a_live_driver_keeps_the_run_and_the_refusal_names_it(tmp_path):
+    proc = _holder_process(tmp_path)
+    try:
+        with pytest.raises(RunLockedError) as err:
+            RunLock(str(tmp_path)).acquire()
+        msg = str(err.value)
+        assert f"pid {proc.pid}" in msg and f"host {socket.gethostname()}" in msg and "started " in msg
+        # The holder's heartbeat moves on while it lives.
+        first = read_holder(str(tmp_path)).heartbeat
+        time.sleep(1.5)
+        assert read_holder(str(tmp_path)).heartbeat > first
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_lock_left_by_a_killed_driver_is_taken_over(tmp_path, capsys):
+    proc = _holder_process(tmp_path)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert read_holder(str(tmp_path)).pid == proc.pid  # the dead driver's lock is still there
+    lock = RunLock(str(tmp_path)).acquire()
+    try:
+        assert read_holder(str(tmp_path)).pid == os.getpid()
+        assert f"pid {proc.pid}" in capsys.readouterr().out  # the take-over is announced
+    finally:
+        lock.release()
+    assert not (tmp_path / LOCK_NAME).exists()  # released on a clean exit
+
+
+def _other_host_lock(run_dir: pathlib.Path, heartbeat_age_s: float) -> None:
+    now = time.time()
+    storage.write_json(str(run_dir / LOCK_NAME), {"host": "another-node", "pid": 1, "start_time": now - 3600,
+                                                  "heartbeat": now - heartbeat_age_s, "token": "x"})
+
+
+def test_another_hosts_lock_counts_while_its_heartbeat_is_fresh(tmp_path):
+    _other_host_lock(tmp_path, heartbeat_age_s=1)
+    with pytest.raises(RunLockedError, match="host another-node, pid 1"):
+        RunLock(str(tmp_path), stale_after_s=30).acquire()
+    _other_host_lock(tmp_path, heartbeat_age_s=120)
+    with RunLock(str(tmp_path), stale_after_s=30):
+        assert read_holder(str(tmp_path)).host == socket.gethostname()
+
+
+def _smoke_cmd(storage_dir, name, shared_cache, *extra) -> list[str]:
+    return [sys.executable, "app/run.py", "--smoke-test", "--storage", str(storage_dir), "--name", name,
+            "--scaling.ray_address=local", f"--data.cache_dir={shared_cache}",
+            f"--data.local_cache_dir={shared_cache / 'local'}", *extra]
+
+
+@pytest.mark.slow
+def test_a_second_driver_on_the_same_run_is_refused_with_exit_2(tmp_path, shared_cache):
+    first = subprocess.Popen(_smoke_cmd(tmp_path, "same", shared_cache), cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    lock = tmp_path / "same" / LOCK_NAME
+    try:
+        # Once the first driver is on its cluster it holds the lock (taken before Ray starts).
+        head = []
+        for line in first.stdout:
+            head.append(line)
+            if "Ray cluster at" in line:  # the start-up line says which cluster the run is on
+                break
+        assert lock.exists(), "".join(head)[-3000:]
+        second = subprocess.run(_smoke_cmd(tmp_path, "same", shared_cache), cwd=ROOT, capture_output=True,
+                                text=True, timeout=600)
+        assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
+        line = second.stderr.strip().splitlines()[-1]
+        assert line.startswith("lightray: error:") and f"pid {first.pid}" in line, line
+        assert f"host {socket.gethostname()}" in line
+        out, _ = first.communicate(timeout=900)
+        assert first.returncode == 0, out[out.rfind("Traceback"):][-4000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    summary = json.loads((tmp_path / "same" / "summary.json").read_text())
+    assert summary["status"] == "finished"
+    assert not lock.exists()
