@@ -151,5 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         print_summary_table(summary)
         return 0
     except (ConfigError, DataError, FileNotFoundError, FileExistsError) as exc:
+        if isinstance(exc, OSError) and exc.filename is None:
+            # An OS error that names no file is not a usable one-line message: show where it came from.
+            import traceback
+
+            traceback.print_exc()
         print(f"lightray: error: {exc}", file=sys.stderr)
         return 2

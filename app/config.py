@@ -670,10 +670,14 @@ ALTERNATIVES = {"schedule.warmup": ("schedule.warmup_epochs", 0.0),
 
 
 def _check_alternatives(raw: dict[str, Any], where: str) -> None:
-    for key, (other, _) in ALTERNATIVES.items():
+    """A recipe gives one of each pair. A saved config (``Config.to_dict``, e.g. a search's best recipe) holds
+    both keys, the unused one at its cleared value: that one counts as not given."""
+    for key, (other, cleared) in ALTERNATIVES.items():
         section, k = key.split(".")
+        o = other.split(".")[1]
         node = raw.get(section)
-        if isinstance(node, dict) and k in node and other.split(".")[1] in node and key < other:
+        if (isinstance(node, dict) and node.get(k, cleared) != cleared and node.get(o, cleared) != cleared
+                and key < other):
             raise ConfigError(f"{key}: give {key} (fraction of the budget) or {other}, not both ({where})")
 
 

@@ -33,3 +33,15 @@ def ray_local():
 @pytest.fixture(scope="session")
 def smoke_overrides(shared_cache) -> dict:
     return {"data.cache_dir": str(shared_cache), "data.local_cache_dir": str(shared_cache / "local")}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A fresh local Ray cluster for one test module (prepare and source tests), shut down after it."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()

@@ -113,3 +113,14 @@ def test_help_documents_every_flag():
         for flag in action.option_strings:
             assert flag in proc.stdout, flag
     assert "--SECTION.KEY=VALUE" in proc.stdout
+
+
+def test_a_saved_config_loads_back_as_a_recipe(tmp_path):
+    """A search's best recipe is a saved config: it holds both alternatives of a pair, one at its cleared value."""
+    import yaml
+
+    cfg = load_config("demo", {"schedule.epochs": "8"})
+    path = tmp_path / "saved.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    again = load_config(str(path))
+    assert again.to_dict() == cfg.to_dict()

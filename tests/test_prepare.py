@@ -15,7 +15,6 @@ import textwrap
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import ray
 from PIL import Image
 
 from app.config import Config, Phase
@@ -26,15 +25,6 @@ from app.data.source import DataError, list_imagefolder
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CLASSES = ("ant", "bee", "cow")
 TIERS = [32, 48, 72]  # 32 and 48 stored raw (raw_max_resolution=48), 72 as JPEG
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def make_tree(root: pathlib.Path, train_per_class: int = 6, val_per_class: int = 2, seed: int = 0) -> pathlib.Path:

@@ -13,7 +13,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import ray
 from PIL import Image
 
 from app.data.manifest import Manifest
@@ -25,15 +24,6 @@ from app.data.sources_rows import ROW_BITS
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CLASSES = ("ant", "bee", "cow")
 TIERS = [32, 48]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def jpeg(label: int, rng: np.random.Generator) -> bytes:
