@@ -158,6 +158,11 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
     on a run that a live driver holds raises RunLockedError (a FileExistsError: exit status 2)."""
     from app.train.run_lock import RunLock
 
+    # The worker code (torch, torchvision, torch._dynamo) is imported first, while the working directory
+    # exists: torch._dynamo reads os.getcwd() at import, and a Ray job's driver can lose its working
+    # directory (the unpacked working_dir package) once Ray is up, which failed the job at trainer build.
+    from app.train.worker import train_loop_per_worker  # noqa: F401
+
     resolve_run(cfg, resume)
     # Before anything else touches the run folder: a second driver must not even check its checkpoints.
     with RunLock(join(cfg.storage, cfg.name)):
