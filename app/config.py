@@ -331,6 +331,8 @@ class CheckpointConfig:
     keep: Annotated[Int, Range(1, 10**6)] = 3
     # end the run (with a checkpoint) after this many steps; --resume continues
     stop_after_steps: Annotated[Int, Range(0, 10**9)] = 0
+    # resume from format-1 checkpoints (pickled: loading one can run code); only for files you wrote
+    allow_pickle: Bool = False
 
 
 @_section

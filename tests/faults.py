@@ -135,7 +135,7 @@ def final_state(run_dir: pathlib.Path) -> dict:
     import torch
 
     last = checkpoints(run_dir)[-1]
-    return torch.load(last / "state_rank0.pt", map_location="cpu", weights_only=False)
+    return torch.load(last / "state_rank0.pt", map_location="cpu", weights_only=True)
 
 
 # --- multi-node clusters on this machine: node loss, elastic resize, preemption notice ---------------------------

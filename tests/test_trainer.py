@@ -4,7 +4,13 @@ Steps are driven through ``Trainer.train_step`` with synthetic batches; checkpoi
 state files (``save_rank_state`` / ``load_rank_state``) and the recorded resume point (``resume.json``).
 """
 
+import hashlib
+import io
+import json
 import os
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -14,7 +20,14 @@ import torch.distributed as dist
 from app.config import load_config
 from app.data.ingest import IngestSpec, TierShards
 from app.storage import write_bytes
-from app.train.state import ResumePoint, checkpoint_name, load_rank_state, save_rank_state
+from app.train.state import (
+    CHECKPOINT_FORMAT,
+    CheckpointFormatError,
+    ResumePoint,
+    checkpoint_name,
+    load_rank_state,
+    save_rank_state,
+)
 from app.train.topology import Topology
 from app.train.trainer import PhaseRun, Trainer
 
@@ -123,3 +136,74 @@ def test_restore_after_resize_keeps_fresh_rng_and_reports_the_resize(tmp_path):
     assert b.counters.resizes == 1 and b.counters.world_size == 1
     assert [r["event"] for r in records] == ["resize", "start"]
     assert records[0]["from"] == 2 and records[0]["to"] == 1
+
+
+def test_checkpoint_files_load_with_weights_only_and_restore_numpy_rng(tmp_path):
+    a = make_trainer(tmp_path)
+    train(a, [1, 2])
+    np.random.seed(5)
+    np.random.rand(3)  # a cached position inside NumPy's key array, not a fresh seed
+    expected = np.random.rand(4)
+    np.random.seed(5)
+    np.random.rand(3)
+    folder = write_checkpoint(a, tmp_path, world_size=1)
+    with open(os.path.join(folder, "state_rank0.pt"), "rb") as f:
+        raw = torch.load(f, weights_only=True)  # raises UnpicklingError on anything but tensors and plain values
+    assert isinstance(raw["rng"]["numpy"]["keys"], torch.Tensor)
+    assert json.loads(open(os.path.join(folder, "meta_rank0.json")).read())["format"] == CHECKPOINT_FORMAT
+    np.random.seed(99)
+    make_trainer(tmp_path).restore()
+    assert np.array_equal(np.random.rand(4), expected)
+
+
+def write_format1_checkpoint(trainer: Trainer, run_dir) -> str:
+    """A checkpoint as the previous version wrote it: NumPy's RNG state pickled, no format in the meta."""
+    folder = write_checkpoint(trainer, run_dir, world_size=1)
+    state = trainer.state_dict()
+    state["rng"]["numpy"] = np.random.get_state()
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    write_bytes(os.path.join(folder, "state_rank0.pt"), buf.getvalue())
+    meta = {"samples_seen": trainer.counters.samples_seen, "world_size": 1, "rank": 0,
+            "sha256": hashlib.sha256(buf.getvalue()).hexdigest()}
+    write_bytes(os.path.join(folder, "meta_rank0.json"), json.dumps(meta).encode())
+    return folder
+
+
+def test_format1_checkpoint_is_refused_by_name_unless_pickle_is_allowed(tmp_path):
+    a = make_trainer(tmp_path)
+    train(a, [1, 2])
+    folder = write_format1_checkpoint(a, tmp_path)
+    with pytest.raises(CheckpointFormatError, match=r"checkpoint format 1 .*--checkpoint.allow_pickle=true"):
+        load_rank_state(folder, 0)
+    with pytest.raises(CheckpointFormatError, match="format 1"):
+        make_trainer(tmp_path).restore()
+    b = make_trainer(tmp_path)
+    b.cfg.checkpoint.allow_pickle = True
+    b.restore()  # the trusted old file resumes, NumPy's tuple state included
+    assert_same_tensors(a.model.state_dict(), b.model.state_dict())
+
+
+def test_checkpoint_from_a_newer_format_is_refused(tmp_path):
+    a = make_trainer(tmp_path)
+    folder = write_checkpoint(a, tmp_path, world_size=1)
+    meta_path = os.path.join(folder, "meta_rank0.json")
+    meta = json.loads(open(meta_path).read())
+    write_bytes(meta_path, json.dumps(dict(meta, format=CHECKPOINT_FORMAT + 1)).encode())
+    with pytest.raises(CheckpointFormatError, match="newer lightray"):
+        load_rank_state(folder, 0, allow_pickle=True)
+
+
+def test_resume_of_a_format1_run_exits_2_before_starting_ray(tmp_path):
+    run_dir = tmp_path / "old"
+    a = make_trainer(run_dir)
+    train(a, [1])
+    folder = write_format1_checkpoint(a, run_dir)
+    before = open(os.path.join(folder, "state_rank0.pt"), "rb").read()
+    out = subprocess.run([sys.executable, "app/run.py", "--resume", "--storage", str(tmp_path), "--name", "old",
+                          "--scaling.ray_address=local"], capture_output=True, text=True, timeout=120,
+                         cwd=pathlib.Path(__file__).parents[1])
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"{folder}: checkpoint format 1" in out.stderr and "allow_pickle" in out.stderr
+    assert "ray_start" not in out.stdout and not (run_dir / "summary.json").exists()
+    assert open(os.path.join(folder, "state_rank0.pt"), "rb").read() == before  # nothing rewritten

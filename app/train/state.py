@@ -7,6 +7,11 @@ communication residuals and RNG states. A folder counts only when every rank's m
 every hash matches: a half-uploaded or corrupted checkpoint is skipped with a warning and the
 previous one used.
 
+State files hold only tensors and plain Python values (dict, list, str, numbers), so they load with
+``torch.load(weights_only=True)``: a checkpoint read back from shared storage cannot run code. The meta
+records the format; format 1 (before that rule: NumPy's RNG state was pickled as an array) loads only when
+``checkpoint.allow_pickle`` says the files are trusted.
+
 Every worker-group start resumes from ``select_resume(run_dir)``: Ray Train calls the dataset
 functions (which pick the data position) and then the workers; both read the same choice from
 ``resume.json`` so the model and the data stream always agree.
@@ -24,10 +29,34 @@ from dataclasses import asdict, dataclass
 import torch
 
 from app import storage
+from app.config import ConfigError
 from app.storage import join, read_bytes, write_bytes
 
 log = logging.getLogger(__name__)
 CKPT_RE = re.compile(r"^checkpoint_(\d{12})$")
+CHECKPOINT_FORMAT = 2  # 2: loads with weights_only=True; 1 (no "format" in the meta): pickled NumPy arrays
+
+
+class CheckpointFormatError(ConfigError):
+    """A checkpoint this version will not load as it stands (an unsafe older format, or a newer one)."""
+
+
+def checkpoint_format(meta: dict) -> int:
+    return int(meta.get("format", 1))
+
+
+def check_checkpoint_format(folder: str, meta: dict, allow_pickle: bool) -> int:
+    """The folder's format, if this version may load it; CheckpointFormatError naming the format otherwise."""
+    fmt = checkpoint_format(meta)
+    if fmt > CHECKPOINT_FORMAT:
+        raise CheckpointFormatError(f"{folder}: checkpoint format {fmt} was written by a newer lightray; this "
+                                    f"version reads formats 1-{CHECKPOINT_FORMAT}")
+    if fmt < CHECKPOINT_FORMAT and not allow_pickle:
+        raise CheckpointFormatError(
+            f"{folder}: checkpoint format {fmt} (pickled, written before lightray loaded checkpoints with "
+            f"weights_only=True) can run code when loaded; if you wrote it yourself, resume with "
+            f"--checkpoint.allow_pickle=true (the next checkpoint is written in format {CHECKPOINT_FORMAT})")
+    return fmt
 
 
 def checkpoint_name(samples_seen: int) -> str:
@@ -40,7 +69,7 @@ def save_rank_state(folder: str, rank: int, state: dict, meta: dict) -> None:
     torch.save(state, buf)
     data = buf.getvalue()
     write_bytes(join(folder, f"state_rank{rank}.pt"), data)
-    meta = dict(meta, rank=rank, sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+    meta = dict(meta, rank=rank, format=CHECKPOINT_FORMAT, sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
     storage.write_json(join(folder, f"meta_rank{rank}.json"), meta)
 
 
@@ -114,6 +143,9 @@ def read_recorded_resume(run_dir: str) -> ResumePoint:
         return ResumePoint(None, 0, 0, [])
 
 
-def load_rank_state(folder: str, rank: int, map_location: str | torch.device = "cpu") -> dict:
+def load_rank_state(folder: str, rank: int, map_location: str | torch.device = "cpu", *,
+                    allow_pickle: bool = False) -> dict:
+    """One rank's state; ``weights_only=True`` unless the folder is format 1 and ``allow_pickle`` trusts it."""
+    fmt = check_checkpoint_format(folder, storage.read_json(join(folder, f"meta_rank{rank}.json")), allow_pickle)
     data = read_bytes(join(folder, f"state_rank{rank}.pt"))
-    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=False)
+    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=fmt >= CHECKPOINT_FORMAT)

@@ -109,14 +109,21 @@ def loss_scale(global_batch: int, world: int, rank: int) -> float:
 
 
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+    # NumPy's state as a tensor and plain numbers: a pickled array would stop weights_only=True loading.
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state(),
+            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)},
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(s: dict) -> None:
     # Checkpoints load with map_location=device; the CPU generator only takes a CPU byte tensor.
     torch.set_rng_state(s["torch"].cpu())
-    np.random.set_state(s["numpy"])
+    n = s["numpy"]
+    if isinstance(n, dict):
+        n = (n["kind"], n["keys"].cpu().numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    np.random.set_state(n)  # a tuple as-is: format 1 checkpoints pickled NumPy's own state
     if s.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([t.cpu() for t in s["cuda"]])
 
@@ -205,10 +212,11 @@ class Trainer:
 
     def _read_checkpoint(self, resume: ResumePoint) -> dict[str, Any]:
         """Rank 0's replicated state plus this rank's own part, as ``load_state_dict`` takes it."""
-        shared = load_rank_state(resume.checkpoint, 0, self.device)
+        trust = self.cfg.checkpoint.allow_pickle
+        shared = load_rank_state(resume.checkpoint, 0, self.device, allow_pickle=trust)
         state = {k: v for k, v in shared.items() if k not in RANK_KEYS}
         if self.rank < resume.world_size:  # a rank the checkpointing group did not have has no own part
-            own = load_rank_state(resume.checkpoint, self.rank, self.device)
+            own = load_rank_state(resume.checkpoint, self.rank, self.device, allow_pickle=trust)
             state.update({k: own[k] for k in RANK_KEYS if k in own})
         if resume.world_size != self.world:
             state.pop("rng", None)  # exact replay only holds for the same ranks; a resized group draws afresh
