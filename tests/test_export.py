@@ -99,36 +99,19 @@ def test_failed_export_write_is_logged_and_training_goes_on(tmp_path, caplog):
     assert "could not write best weights" in caplog.text and "training goes on" in caplog.text
 
 
-def test_export_writes_to_s3(tmp_path, monkeypatch):
-    moto_server = pytest.importorskip("moto.server")
-    import pyarrow.fs as pafs
+def test_export_writes_to_s3(s3_storage):
+    """A local S3 API server (moto) through pyarrow's S3FileSystem: the weights and model.json round-trip."""
+    from app import storage
+    from app.train.export import describe
 
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    server = moto_server.ThreadedMotoServer(port=0)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        query = f"endpoint_override={host}:{port}&scheme=http"
-        fs = pafs.S3FileSystem(endpoint_override=f"{host}:{port}", scheme="http", allow_bucket_creation=True)
-        fs.create_dir("runs")
-        try:  # the environment's own check: can this pyarrow write any object to this moto at all?
-            with fs.open_output_stream("runs/probe") as f:
-                f.write(b"probe")
-        except OSError as exc:
-            pytest.skip(f"pyarrow {pafs.__name__} cannot write to this moto server ({str(exc)[:120]})")
-        cfg = load_config("smoke")
-        model = build_model(cfg.model, 3)
-        from app import storage
-        from app.train.export import describe
-
-        info = describe(cfg, ["a", "b", "c"], 48)
-        uri = write_weights(f"s3://runs/r1?{query}", "final", model.state_dict(), info, {"val_top1": 0.25})
-        assert uri == f"s3://runs/r1/model/final.safetensors?{query}"
-        state = state_from_bytes(storage.read_bytes(uri))
-        assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
-        on_s3 = read_model_json(f"s3://runs/r1/model?{query}")
-        assert on_s3["weights"]["final"]["val_top1"] == 0.25 and on_s3["classes"] == ["a", "b", "c"]
-    finally:
-        server.stop()
+    cfg = load_config("smoke")
+    model = build_model(cfg.model, 3)
+    info = describe(cfg, ["a", "b", "c"], 48)
+    run = storage.join(s3_storage, "r1")
+    uri = write_weights(run, "final", model.state_dict(), info, {"val_top1": 0.25})
+    assert uri == storage.join(run, "model", "final.safetensors") and uri.startswith("s3://")
+    state = state_from_bytes(storage.read_bytes(uri))
+    assert state.keys() == model.state_dict().keys()
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    on_s3 = read_model_json(storage.join(run, "model"))
+    assert on_s3["weights"]["final"]["val_top1"] == 0.25 and on_s3["classes"] == ["a", "b", "c"]

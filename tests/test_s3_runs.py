@@ -10,27 +10,8 @@ import pytest
 
 from app import storage
 from app.train.state import list_checkpoints, validate_checkpoint
+from tests.conftest import S3_ENV
 from tests.faults import driver, finish
-
-S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-@pytest.fixture
-def s3_storage(monkeypatch):
-    moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed")
-    for k, v in S3_ENV.items():
-        monkeypatch.setenv(k, v)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        import pyarrow.fs as pafs
-
-        pafs.S3FileSystem(endpoint_override=f"{host}:{port}", scheme="http", region="us-east-1",
-                          allow_bucket_creation=True).create_dir("lightray-runs")
-        yield f"s3://lightray-runs/runs?endpoint_override={host}:{port}&scheme=http&region=us-east-1"
-    finally:
-        server.stop()
 
 
 def test_join_keeps_the_query_string_of_a_uri_at_its_end():
