@@ -542,3 +542,12 @@ def test_hierarchical_dense_sends_less_over_the_link_than_a_flat_ring():
     one = comm_auto.Cluster(1, 8, 25.0)
     assert comm_auto.parts("dense", one, RESNET50)["inter_bytes"] == 0
     assert comm_auto.step_s("hierarchical_topk", one, RESNET50) == comm_auto.step_s("dense", one, RESNET50)
+
+
+def test_auto_measures_compression_and_casts_on_the_device_scaled_to_the_gradient():
+    cpu = torch.device("cpu")
+    small = comm_auto.time_compression(50_000, 0.01, "sampled", cpu, max_elements=50_000, reps=3)
+    scaled = comm_auto.time_compression(5_000_000, 0.01, "sampled", cpu, max_elements=50_000, reps=3)
+    assert 0 < small and scaled > 5 * small  # timed on 50k entries, scaled by 100 to the gradient's size
+    assert comm_auto.time_cast(50_000, torch.bfloat16, cpu) > 0
+    assert comm_auto.half_mode(cpu) == "bf16"
