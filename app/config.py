@@ -302,7 +302,10 @@ class ScalingConfig:
 @_section
 @dataclass
 class CommConfig:
-    mode: Annotated[Str, OneOf("dense", "fp16", "bf16", "topk", "hierarchical_topk", "powersgd")] = "dense"
+    # auto: dense, bf16/fp16 or hierarchical_topk, picked at start by the crossover model (app/train/comm_auto.py)
+    mode: Annotated[Str, OneOf("dense", "fp16", "bf16", "topk", "hierarchical_topk", "powersgd", "auto")] = "dense"
+    # the link between nodes, Gbit/s per node, for mode=auto (Ray cannot measure it); 0 = not given
+    link_gbps: Annotated[Float, Range(0.0, 1e6)] = 0.0
     ratio: Annotated[Float, Range(1e-6, 1.0)] = 0.01
     warmup_steps: Annotated[Int, Range(0, 10**9)] = 20
     error_feedback: Bool = True
@@ -690,6 +693,9 @@ def check_config(cfg: Config) -> None:
         check_arch(cfg.model.arch)
     _check_phases(cfg.schedule)
     cfg.cost.check_prices()
+    if cfg.comm.mode == "auto" and cfg.comm.link_gbps <= 0:
+        raise ConfigError("comm.link_gbps: bad value 0; comm.mode=auto needs the link speed between nodes in Gbit/s "
+                          "(e.g. 25), which Ray cannot measure")
     for key in ("targets", "top5_targets"):
         for t in getattr(cfg.report, key):
             if not 0.0 < t <= 1.0:

@@ -1,64 +1,61 @@
 """Gradient communication benchmark: bytes and time per step per mode vs dense, overlap per bucket,
-compression's own compute at ResNet-50 size, a projection to 16 nodes x 8 V100 on 25 Gbps, and (with
+compression's own compute at ResNet-50 size, an overlap-aware projection to 16 nodes x 8 V100 on 25 Gbps
+against a flat and a hierarchical dense all-reduce, the crossover link speed per mode, and (with
 ``--accuracy``) demo top-1 after the same budget, dense vs top-k 0.01 with error feedback.
 
     python -m bench.comm                      # measured bytes/time/overlap/overhead + projection
     python -m bench.comm --accuracy           # + demo trainings (python app/run.py), several minutes each
     python -m bench.comm --workers 2 --steps 2 --models resnet18
 
-Measured part: ``--workers`` gloo processes (torch.multiprocessing) on this machine; for
-hierarchical top-k they are laid out as 2 simulated nodes. Each runs real DDP steps of the
-torchvision model (random 32 px inputs, batch 2: the gradients have the real sizes, the compute is
-small) with each mode, and separately times the communication of the whole gradient alone
-(``comm_s``: the hook's aggregate over 25 MB buckets, the same code DDP calls). Bytes are the byte
-meter of ``app.train.comm`` (ring all-reduce 2(W-1)/W x size, all-gather (W-1) x payload).
+Measured part: ``--workers`` gloo processes (torch.multiprocessing) on this machine, laid out as 2
+simulated nodes (hierarchical top-k needs them). Each runs real DDP steps of the torchvision model
+(random 32 px inputs, batch 2: the gradients have the real sizes, the compute is small) with each
+mode, and separately times the communication of the whole gradient alone (``comm_s``: the hook's
+aggregate over 25 MB buckets, the same code DDP calls).
 
-Projection (alpha-beta model, no overlap of communication with compute, compression compute not
-modelled), 16 nodes x 8 GPUs, W = 128:
-  - inter-node: 25 Gbps per node (beta = 8 / 25e9 s per byte, one NIC per node shared by its 8 GPUs),
-    alpha_inter = 30 us per message hop (TCP on a cloud VPC; an assumption, not a measurement here).
-  - intra-node: NVLink, 100 GB/s all-reduce bus bandwidth, alpha_intra = 5 us (assumption, DGX-1 class).
-  - dense ring over 128 ranks: 2(W-1)/W x S over the node NIC + 2(W-1) x alpha_inter per bucket (each
-    synchronous ring step waits for its node-crossing hop). fp16/bf16: S/2.
-  - flat top-k: ring all-gather of 8k bytes per rank (fp32 value + int32 index): (W-1) x 8k over the
-    NIC + (W-1) alpha_inter per bucket, k = ratio x n.
-  - hierarchical top-k: dense all-reduce in the node (NVLink), then the M=8 local ranks each all-gather
-    the top-k of their 1/8 chunk across the 16 nodes, all 8 through the same NIC:
-    (N-1) x 8 x ratio x n bytes + (N-1) alpha_inter per bucket, then an all-gather in the node.
-  - PowerSGD rank r: P and Q all-reduced densely (ring) instead of each compressible matrix.
-  - compute per step: V100 16 GB, mixed precision, 256 images per GPU. ResNet-50: 1200 img/s
-    (NVIDIA DeepLearningExamples, PyTorch ResNet50 v1.5 README, DGX-1 16 GB, 1 GPU, NGC 21.03), so
-    0.213 s. ResNet-18: no published V100 figure at hand; scaled from ResNet-50 by forward FLOPs
-    (4.1 / 1.8 GFLOPs) to 2730 img/s, 0.094 s (an estimate).
-  - scaling efficiency = compute / (compute + communication); ``overlap`` variant = compute /
-    max(compute, communication) (perfect overlap, an upper bound).
+Bytes, two kinds, labelled in every key:
+- ``counted_*``: counted here. ``torch.distributed.all_reduce`` / ``all_gather`` are wrapped in the
+  measuring processes; every tensor the hooks (lightray's and torch's PowerSGD) hand them adds its
+  bytes, per step, in total and by process group (``world``, ``node``: inside a simulated node,
+  ``cross_node``: hierarchical top-k's group of same-local-rank workers). That is each worker's own
+  payload per collective, before the algorithm multiplies it on the wire.
+- ``modelled_*``: the hook's byte meter, a formula over what was handed: ring all-reduce 2(W-1)/W x size,
+  all-gather (W-1) x payload; ``modelled_inter_node_*`` the part that crosses nodes.
 
-Bytes: ``bytes_per_step`` is the hook's meter (the modelled wire bytes of ring all-reduce and
-all-gather); ``handed_bytes_per_step`` counts the bytes of the tensors the hook actually hands to
-``torch.distributed.all_reduce`` / ``all_gather`` (wrapped in the measuring processes), i.e. each
-worker's own payload per collective, before the algorithm's (W-1)/W factors.
-
-Overlap: during the timed steps the hook records, per bucket, when DDP called it and when its future
-completed. ``overlap_frac`` is the share of those collective intervals that falls before the last
+Overlap (measured): during the timed steps the hook records, per bucket, when DDP called it and when its
+future completed. ``overlap_frac`` is the share of those collective intervals that falls before the last
 bucket's hook call (while backward was still computing); a synchronous hook scores 0.
+``backward_window_share``: of the measured backward (dense mode), the share from the first bucket's hook
+call to the last: the compute that asynchronous collectives can hide behind.
 
-Compression overhead (``compress_overhead_frac``): the hook's own compute for one step (error feedback,
-momentum correction, selection, packing, residual update; no communication) over every bucket of
-ResNet-50's gradient (torchvision parameter sizes, 25 MB buckets), on this CPU, divided by a measured
-forward + backward of ResNet-50 at ``--overhead-batch`` images of 224 px on the same CPU. Both figures and
-the batch are printed: the fraction shrinks as the batch grows.
+Compression overhead (``compress_overhead_frac``, measured): the hook's own compute for one step (error
+feedback, momentum correction, selection, packing, residual update; no communication) over every bucket
+of ResNet-50's gradient (torchvision parameter sizes, 25 MB buckets), on this CPU, divided by a measured
+forward + backward of ResNet-50 at ``--overhead-batch`` images of 224 px on the same CPU. Both figures
+and the batch are printed: the fraction shrinks as the batch grows. With a CUDA device visible the same is
+measured there too (``compress_overhead_gpu``).
 
-Crossover: with per-worker inter-node bytes B (measured meter; the slow link) and compression compute C
-(above, scaled from ResNet-50's element count to the model's), a mode beats dense below the inter-node
-link bandwidth ``8 (B_dense - B_mode) / C`` bit/s (alpha-beta model, no overlap, intra-node traffic
-taken as free; dense's own compute is the same on both sides and cancels).
+Projection and crossover (modelled; ``app.train.comm_auto``, the model ``comm.mode=auto`` decides with, its
+formula and every input written out under ``projection``): alpha-beta collectives over one link per node and
+fast links inside it, and an overlap-aware step:
+``step_s = compute_s + extra_s + sync_s + max(0, async_s - overlap_s)``.
+Inputs: 16 nodes x 8 GPUs, 25 Gbps per node, alpha 30 us between nodes and 5 us inside (assumptions),
+100 GB/s NVLink-class all-reduce inside a node (assumption); compute per step on a V100 16 GB, mixed
+precision, 256 images per GPU: ResNet-50 1200 img/s (NVIDIA DeepLearningExamples, PyTorch ResNet50 v1.5
+README, DGX-1 16 GB, 1 GPU, NGC 21.03), so 0.213 s; ResNet-18 scaled from it by forward FLOPs (4.1 / 1.8; an
+estimate); the overlap window = compute_s x the backward share of a step (2/3: backward costs about twice the
+forward) x ``backward_window_share`` measured here; compression and cast compute measured here (on the GPU
+when there is one, else this CPU's figure: an upper bound for a GPU, said so in ``inputs``), scaled by
+elements from ResNet-50's. Modes: flat ring dense, hierarchical dense (the comparator: reduce-scatter in the
+node, all-reduce across nodes, all-gather in the node), fp16/bf16, top-k, hierarchical top-k, PowerSGD.
+``figures.crossover_gbps`` (per mode, for the first model): the link speed below which the mode's modelled
+step beats the flat dense ring's; ``figures.<arch>.crossover_here_gbps``: the same with this machine's
+measured compute (2 simulated nodes, CPU shared-memory links inside a node).
 
 Accuracy (``--accuracy``): ``python app/run.py --storage S --name N --scaling.ray_address=local`` per
 variant (the demo recipe, same seed and budget), dense against top-k 0.01 with error feedback and the DGC
 units; ``ratios.top1_topk_ef_over_dense`` is final top-1 of the latter over dense's. Without the flag the
 key is absent and ``figures.accuracy_demo`` says so.
-
-``comm.mode=auto`` (choosing dense / bf16 / hierarchical top-k from the link speed) is not built.
 """
 
 from __future__ import annotations
@@ -72,26 +69,27 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from app.train import comm_auto
 from bench.common import Machine, emit
 
 MODES = ["dense", "fp16", "bf16", "topk", "hierarchical_topk", "powersgd"]
+PROJECTED_MODES = ["dense", "hierarchical_dense", "fp16", "bf16", "topk", "hierarchical_topk", "powersgd"]
 RATIO = 0.01
 BUCKET_MB = 25.0
 SELECTION = "sampled"
 
-# --- projection constants (see module docstring) --------------------------------------------------
+# --- projection inputs (see module docstring) -----------------------------------------------------
 NODES, GPUS_PER_NODE = 16, 8
-NIC_BYTES_PER_S = 25e9 / 8
-ALPHA_INTER = 30e-6
-INTRA_BYTES_PER_S = 100e9
-ALPHA_INTRA = 5e-6
+LINK_GBPS = 25.0
 PER_GPU_BATCH = 256
+BACKWARD_SHARE = 2 / 3  # backward's share of forward + backward (backward costs about twice the forward)
 V100_IMG_PER_S = {"resnet50": 1200.0, "resnet18": 1200.0 * 4.1 / 1.8}
 V100_SOURCE = {"resnet50": "NVIDIA DeepLearningExamples PyTorch ResNet50 v1.5 README: DGX-1 16GB, 1 GPU, AMP, "
                            "1200 img/s (NGC 21.03)",
@@ -119,55 +117,56 @@ def powersgd_elements(model: torch.nn.Module, rank: int, min_compression_rate: f
     return total
 
 
-def project(arch: str, n_elems: int, psgd_elems: int, ratio: float = RATIO) -> dict[str, Any]:
-    """Alpha-beta step time and scaling efficiency per mode at 16 x 8 V100 on 25 Gbps."""
-    w, n_nodes, m = NODES * GPUS_PER_NODE, NODES, GPUS_PER_NODE
-    s = 4.0 * n_elems
-    buckets = max(1, math.ceil(s / (BUCKET_MB * 1024 * 1024)))
+def n_buckets(elements: int) -> int:
+    return max(1, math.ceil(4.0 * elements / (BUCKET_MB * 1024 * 1024)))
 
-    def ring(nbytes: float, msgs: int) -> float:
-        return 2 * (w - 1) / w * nbytes / NIC_BYTES_PER_S + msgs * 2 * (w - 1) * ALPHA_INTER
 
-    k = ratio * n_elems
-    comm = {
-        "dense": ring(s, buckets),
-        "fp16": ring(s / 2, buckets),
-        "bf16": ring(s / 2, buckets),
-        "topk": (w - 1) * 8 * k / NIC_BYTES_PER_S + buckets * (w - 1) * ALPHA_INTER,
-        "hierarchical_topk": (2 * (m - 1) / m * s / INTRA_BYTES_PER_S + buckets * 2 * (m - 1) * ALPHA_INTRA
-                              + (n_nodes - 1) * 8 * k / NIC_BYTES_PER_S + buckets * (n_nodes - 1) * ALPHA_INTER
-                              + (m - 1) / m * s / INTRA_BYTES_PER_S + buckets * (m - 1) * ALPHA_INTRA),
-        "powersgd": ring(4.0 * psgd_elems, 2 * buckets),
-    }
+def project(arch: str, n_elems: int, psgd_elems: int, compress_s: float, cast_s: float, window_share: float,
+            compress_source: str, ratio: float = RATIO) -> dict[str, Any]:
+    """The overlap-aware model (app.train.comm_auto) at 16 x 8 V100 on 25 Gbps: per mode the modelled step, its
+    parts, the scaling efficiency and the crossover link speed, with the model and every input."""
     compute = PER_GPU_BATCH / V100_IMG_PER_S[arch]
-    out: dict[str, Any] = {"compute_s": round(compute, 4), "compute_source": V100_SOURCE[arch], "modes": {}}
-    for mode, t in comm.items():
-        out["modes"][mode] = {"comm_s": round(t, 5), "step_s": round(compute + t, 5),
-                              "efficiency": round(compute / (compute + t), 4),
-                              "efficiency_overlap": round(compute / max(compute, t), 4)}
-    return out
+    cluster = comm_auto.Cluster(NODES, GPUS_PER_NODE, LINK_GBPS, comm_auto.INTRA_GBPS["cuda"])
+    costs = comm_auto.StepCosts(elements=n_elems, buckets=n_buckets(n_elems), ratio=ratio, compress_s=compress_s,
+                                cast_s=cast_s, overlap_s=compute * BACKWARD_SHARE * window_share, compute_s=compute,
+                                powersgd_elements=psgd_elems)
+    rows = comm_auto.table(cluster, costs, PROJECTED_MODES)
+    for row in rows.values():
+        row["efficiency"] = round(compute / row["step_s"], 4)
+    pick, why, _ = comm_auto.choose(cluster, costs, ["bf16", "hierarchical_topk"])
+    return {"model": comm_auto.FORMULA, "modes": rows, "auto_picks": pick, "auto_why": why,
+            "inputs": {"cluster": asdict(cluster), "costs": asdict(costs),
+                       "sources": {"compute_s": V100_SOURCE[arch],
+                                   "overlap_s": f"compute_s x {BACKWARD_SHARE:.3f} (backward share, assumed) x "
+                                                f"{window_share:.4f} (backward window share, measured here)",
+                                   "compress_s / cast_s": compress_source,
+                                   "alphas, intra_gbps": "assumptions (TCP cloud network, NVLink-class node)",
+                                   "powersgd": "its compute not modelled (extra_s 0): a lower bound"}}}
 
 
 # --- measured part --------------------------------------------------------------------------------
-def _step(ddp: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
-    opt.zero_grad()
-    torch.nn.functional.cross_entropy(ddp(x), y).backward()
-    opt.step()
-
-
 class _Handed:
-    """Counts the bytes of the tensors handed to torch.distributed's all_reduce / all_gather (own payload)."""
+    """Counts the bytes of the tensors handed to torch.distributed's all_reduce / all_gather (own payload), in
+    total and per process group (``names``: id of a group -> its name; no group = ``world``)."""
 
     def __init__(self) -> None:
         self.bytes = 0
+        self.by_group: dict[str, int] = {}
+        self.names: dict[int, str] = {}
         self._orig = (dist.all_reduce, dist.all_gather)
 
+        def count(tensor: torch.Tensor, group: Any) -> None:
+            nbytes = tensor.numel() * tensor.element_size()
+            self.bytes += nbytes
+            name = "world" if group is None or group is dist.group.WORLD else self.names.get(id(group), "other")
+            self.by_group[name] = self.by_group.get(name, 0) + nbytes
+
         def all_reduce(tensor: torch.Tensor, *a: Any, **kw: Any) -> Any:
-            self.bytes += tensor.numel() * tensor.element_size()
+            count(tensor, kw.get("group", a[1] if len(a) > 1 else None))
             return self._orig[0](tensor, *a, **kw)
 
         def all_gather(outs: list, tensor: torch.Tensor, *a: Any, **kw: Any) -> Any:
-            self.bytes += tensor.numel() * tensor.element_size()
+            count(tensor, kw.get("group", a[0] if a else None))
             return self._orig[1](outs, tensor, *a, **kw)
 
         dist.all_reduce, dist.all_gather = all_reduce, all_gather  # type: ignore[assignment]
@@ -180,6 +179,7 @@ def _overlap(timings: list[tuple[int, float, float]], t_backward: float) -> dict
     total = sum(d - c for _, c, d in timings)
     before = sum(max(0.0, min(d, last_call) - c) for _, c, d in timings)
     return {"overlap_frac": round(before / total, 4) if total > 0 else 0.0,
+            "window_s": last_call - min(c for _, c, _ in timings),
             "buckets": [{"bucket": i, "call_ms": round(1e3 * (c - t_backward), 2),
                          "done_ms": round(1e3 * (d - t_backward), 2)} for i, c, d in timings]}
 
@@ -207,11 +207,16 @@ def _measure_worker(rank: int, world: int, folder: str, arch: str, steps: int) -
         ddp = DDP(m, bucket_cap_mb=BUCKET_MB)
         hook = CommHook(cfg, topo, torch.device("cpu"))
         hook.install(ddp)
+        handed.names = {id(g): name for g, name in ((hook._node_group, "node"), (hook._cross_group, "cross_node"))
+                        if g is not None}
         opt = torch.optim.SGD(m.parameters(), lr=0.01)
 
         for _ in range(2 if mode == "powersgd" else 1):  # warm-up (PowerSGD compresses from its 3rd step)
-            _step(ddp, opt, x, y)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
         b0, i0, d0, h0 = hook.bytes_sent, hook.bytes_inter_node, hook.dense_bytes, handed.bytes
+        g0 = dict(handed.by_group)
         times, backward = [], []
         for _ in range(steps):
             dist.barrier()
@@ -226,10 +231,13 @@ def _measure_worker(rank: int, world: int, folder: str, arch: str, steps: int) -
             times.append(time.perf_counter() - t0)
         timings = hook.bucket_timings
         hook.bucket_timings = None
+        ov = _overlap(timings, tb)
         rec = {"step_s": statistics.median(times), "bytes": (hook.bytes_sent - b0) / steps,
                "inter_bytes": (hook.bytes_inter_node - i0) / steps, "dense_bytes": (hook.dense_bytes - d0) / steps,
-               "handed_bytes": (handed.bytes - h0) / steps, "backward_s": statistics.median(backward),
-               **_overlap(timings, tb)}
+               "handed_bytes": (handed.bytes - h0) / steps,
+               "handed_by_group": {k: (v - g0.get(k, 0)) / steps for k, v in handed.by_group.items()
+                                   if v != g0.get(k, 0)},
+               "backward_s": statistics.median(backward), "window_share": ov.pop("window_s") / backward[-1], **ov}
         if mode != "powersgd":
             # Communication alone: the whole gradient in 25 MB buckets through the same hook code.
             grads = torch.randn(n, generator=torch.Generator().manual_seed(100 + rank))
@@ -274,23 +282,31 @@ def _buckets(model: torch.nn.Module, bucket_mb: float) -> list[list[tuple[str, i
     return out
 
 
-def compress_overhead(batch: int, ratio: float, reps: int = 3) -> dict[str, Any]:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def compress_overhead(batch: int, ratio: float, reps: int = 3, device: torch.device | None = None) -> dict[str, Any]:
     """Seconds of the hook's own compute per step over ResNet-50's gradient buckets, per selection method
-    and with/without the DGC units, against a measured ResNet-50 forward + backward on this CPU."""
+    and with/without the DGC units, against a measured ResNet-50 forward + backward on ``device`` (this CPU)."""
     from app.config import CommConfig
     from app.train.comm import CommHook
     from app.train.compress import k_for
     from app.train.topology import Topology
 
-    model = _model("resnet50")
+    device = device or torch.device("cpu")
+    model = _model("resnet50").to(device)
     buckets = _buckets(model, BUCKET_MB)
-    x = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(0))
-    y = torch.randint(0, 1000, (batch,), generator=torch.Generator().manual_seed(1))
+    x = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(0)).to(device)
+    y = torch.randint(0, 1000, (batch,), generator=torch.Generator().manual_seed(1)).to(device)
     fb = []
-    for _ in range(2):
+    for _ in range(2 if device.type == "cpu" else 4):
         model.zero_grad()
+        _sync(device)
         t0 = time.perf_counter()
         torch.nn.functional.cross_entropy(model(x), y).backward()
+        _sync(device)
         fb.append(time.perf_counter() - t0)
     grads = {n: p.grad.reshape(-1).clone() for n, p in model.named_parameters()}
     topo = Topology.simulated(2, 0, 1)  # only for the hook's bookkeeping: no collective runs here
@@ -298,21 +314,25 @@ def compress_overhead(batch: int, ratio: float, reps: int = 3) -> dict[str, Any]
                 "sampled_dgc": {"selection": "sampled", "momentum_correction": True, "momentum_masking": True},
                 "sampled_dgc_per_layer": {"selection": "sampled", "momentum_correction": True, "momentum_masking": True,
                                           "per_layer": True}}
-    out: dict[str, Any] = {"batch": batch, "resolution": 224, "threads": torch.get_num_threads(),
-                           "forward_backward_s": round(min(fb), 4), "buckets": len(buckets),
-                           "elements": sum(n for b in buckets for _, n in b), "ratio": ratio, "seconds": {}}
+    elements = sum(n for b in buckets for _, n in b)
+    out: dict[str, Any] = {"device": str(device), "batch": batch, "resolution": 224,
+                           "threads": torch.get_num_threads(), "forward_backward_s": round(min(fb), 4),
+                           "buckets": len(buckets), "elements": elements, "ratio": ratio, "seconds": {},
+                           "cast_bf16_s": round(comm_auto.time_cast(elements, torch.bfloat16, device), 5)}
     for name, kw in variants.items():
-        hook = CommHook(CommConfig(mode="topk", ratio=ratio, warmup_steps=0, **kw), topo, torch.device("cpu"))
+        hook = CommHook(CommConfig(mode="topk", ratio=ratio, warmup_steps=0, **kw), topo, device)
         hook.optimizer_momentum(0.9)
         flats = [torch.cat([grads[n] for n, _ in b]) for b in buckets]
         best = float("inf")
         for _ in range(reps):
+            _sync(device)
             t0 = time.perf_counter()
             for i, (flat, layout) in enumerate(zip(flats, buckets)):
                 acc, residual, u = hook._accumulate(flat, i, layout, flat.numel(), 0, flat.numel(), 1.0)
                 segments = [m for _, m in layout] if hook.cfg.per_layer else None
                 packed, k = hook._sparsify(acc, residual, u, segments)
                 assert packed.numel() == 2 * sum(k_for(hook.ratio_now, m) for m in segments or [flat.numel()])
+            _sync(device)
             best = min(best, time.perf_counter() - t0)
         out["seconds"][name] = round(best, 4)
         out[f"frac_{name}"] = round(best / min(fb), 4)
@@ -323,11 +343,15 @@ def compress_overhead(batch: int, ratio: float, reps: int = 3) -> dict[str, Any]
     return out
 
 
-def crossover_gbps(dense_bytes: float, mode_bytes: float, extra_s: float) -> float | None:
-    """Link speed (Gbit/s) below which sending ``mode_bytes`` plus ``extra_s`` of compute beats ``dense_bytes``."""
-    if extra_s <= 0 or mode_bytes >= dense_bytes:
-        return None
-    return round(8 * (dense_bytes - mode_bytes) / extra_s / 1e9, 3)
+def crossover_here(elements: int, workers: int, compress_s: float, cast_s: float, overlap_s: float,
+                   compute_s: float) -> dict[str, Any]:
+    """Crossover link speed per mode for this machine's layout (2 simulated nodes) and measured compute."""
+    cluster = comm_auto.Cluster(2, max(1, workers // 2), 1.0, comm_auto.INTRA_GBPS["cpu"])
+    costs = comm_auto.StepCosts(elements=elements, buckets=n_buckets(elements), ratio=RATIO, compress_s=compress_s,
+                                cast_s=cast_s, overlap_s=overlap_s, compute_s=compute_s)
+    modes = [m for m in PROJECTED_MODES if m not in ("dense", "powersgd")]
+    return {"gbps": {m: comm_auto.crossover_gbps(m, cluster, costs) for m in modes},
+            "inputs": {"cluster": {**asdict(cluster), "link_gbps": "solved for"}, "costs": asdict(costs)}}
 
 
 # --- accuracy part ---------------------------------------------------------------------------------
@@ -386,48 +410,63 @@ def main(argv: list[str] | None = None) -> None:
     if not 2 <= args.workers <= 4:
         ap.error(f"--workers: bad value {args.workers}; expected 2..4")
     figures: dict[str, Any] = {"ratio": RATIO, "workers": args.workers, "bucket_mb": BUCKET_MB,
-                               "selection": SELECTION, "auto_mode": "not built"}
+                               "selection": SELECTION}
     ratios: dict[str, float] = {}
     over = compress_overhead(args.overhead_batch, RATIO)
     figures["compress_overhead"] = over
     figures["compress_overhead_frac"] = over[f"frac_{SELECTION}"]
-    for arch in [a.strip() for a in args.models.split(",") if a.strip()]:
+    src, src_label = over, "measured on this CPU at ResNet-50 size (an upper bound for a GPU), scaled by elements"
+    if torch.cuda.is_available():
+        gpu = compress_overhead(args.overhead_batch, RATIO, device=torch.device("cuda"))
+        figures["compress_overhead_gpu"] = gpu
+        figures["compress_overhead_frac_gpu"] = gpu[f"frac_{SELECTION}"]
+        src, src_label = gpu, f"measured on {torch.cuda.get_device_name()} at ResNet-50 size, scaled by elements"
+    archs = [a.strip() for a in args.models.split(",") if a.strip()]
+    for arch in archs:
         res = measure(arch, args.workers, args.steps)
-        dense = res["dense"]
-        figures[arch] = {"elements": res["elements"], "measured": {}}
+        dense, n = res["dense"], res["elements"]
+        figures[arch] = {"elements": n, "measured": {}}
         for mode in MODES:
             r = res[mode]
             figures[arch]["measured"][mode] = {
-                "bytes_per_step": int(r["bytes"]), "inter_node_bytes_per_step": int(r["inter_bytes"]),
-                "bytes_vs_dense": round(r["bytes"] / dense["bytes"], 5),
-                "inter_node_bytes_vs_dense": round(r["inter_bytes"] / dense["inter_bytes"], 5),
-                "handed_bytes_per_step": int(r["handed_bytes"]),
+                "counted_handed_bytes_per_step": int(r["handed_bytes"]),
+                "counted_handed_bytes_by_group": {k: int(v) for k, v in r["handed_by_group"].items()},
+                "counted_handed_bytes_vs_dense": round(r["handed_bytes"] / dense["handed_bytes"], 5),
+                "modelled_wire_bytes_per_step": int(r["bytes"]),
+                "modelled_inter_node_bytes_per_step": int(r["inter_bytes"]),
+                "modelled_wire_bytes_vs_dense": round(r["bytes"] / dense["bytes"], 5),
+                "modelled_inter_node_bytes_vs_dense": round(r["inter_bytes"] / dense["inter_bytes"], 5),
                 "step_s": round(r["step_s"], 4), "step_vs_dense": round(r["step_s"] / dense["step_s"], 3),
                 "backward_s": round(r["backward_s"], 4), "overlap_frac": r["overlap_frac"],
-                "buckets_last_step": r["buckets"][-8:],
+                "backward_window_share": round(r["window_share"], 4), "buckets_last_step": r["buckets"][-8:],
                 "comm_s": None if r["comm_s"] is None else round(r["comm_s"], 4)}
-            if mode in ("topk", "hierarchical_topk"):
-                figures[arch]["measured"][mode]["crossover_gbps"] = crossover_gbps(
-                    dense["inter_bytes"], r["inter_bytes"],
-                    over["seconds"][SELECTION] * res["elements"] / over["elements"])
             if mode != "dense":
-                ratios[f"{arch}_bytes_dense_over_{mode}"] = round(dense["bytes"] / max(r["bytes"], 1), 3)
-                ratios[f"{arch}_inter_node_bytes_dense_over_{mode}"] = round(
+                ratios[f"{arch}_counted_handed_bytes_dense_over_{mode}"] = round(
+                    dense["handed_bytes"] / max(r["handed_bytes"], 1), 3)
+                ratios[f"{arch}_modelled_wire_bytes_dense_over_{mode}"] = round(dense["bytes"] / max(r["bytes"], 1), 3)
+                ratios[f"{arch}_modelled_inter_node_bytes_dense_over_{mode}"] = round(
                     dense["inter_bytes"] / max(r["inter_bytes"], 1), 3)
                 ratios[f"{arch}_step_time_dense_over_{mode}"] = round(dense["step_s"] / r["step_s"], 3)
-        m = _model(arch)
-        proj = project(arch, res["elements"], powersgd_elements(m, 2))
+        scale = n / src["elements"]
+        proj = project(arch, n, powersgd_elements(_model(arch), 2), src["seconds"][SELECTION] * scale,
+                       src["cast_bf16_s"] * scale, dense["window_share"], src_label)
         figures[arch]["projection_16x8_v100_25gbps"] = proj
-        for mode in MODES:
+        for mode in PROJECTED_MODES:
             if mode != "dense":
                 ratios[f"{arch}_projected_step_dense_over_{mode}"] = round(
                     proj["modes"]["dense"]["step_s"] / proj["modes"][mode]["step_s"], 3)
-    figures["projection_constants"] = {
-        "nic_gbps": NIC_BYTES_PER_S * 8 / 1e9, "alpha_inter_s": ALPHA_INTER, "intra_GBps": INTRA_BYTES_PER_S / 1e9,
-        "alpha_intra_s": ALPHA_INTRA, "per_gpu_batch": PER_GPU_BATCH, "nodes": NODES, "gpus_per_node": GPUS_PER_NODE}
-    figures["crossover_model"] = ("crossover_gbps = 8 (dense inter-node bytes - mode inter-node bytes) / compress_s "
-                                  "per worker and step; compress_s = compress_overhead.seconds[selection] scaled by "
-                                  "the model's elements over ResNet-50's")
+        cpu_scale = n / over["elements"]
+        figures[arch]["crossover_here_gbps"] = crossover_here(
+            n, args.workers, over["seconds"][SELECTION] * cpu_scale, over["cast_bf16_s"] * cpu_scale,
+            dense["window_share"] * dense["backward_s"], dense["step_s"])
+    if archs:
+        head = "resnet50" if "resnet50" in archs else archs[0]
+        proj = figures[head]["projection_16x8_v100_25gbps"]
+        figures["crossover_gbps"] = {m: r["crossover_gbps"] for m, r in proj["modes"].items() if m != "dense"}
+        figures["crossover_gbps_for"] = (f"{head}, {NODES} nodes x {GPUS_PER_NODE} V100, modelled "
+                                         f"({figures[head]['projection_16x8_v100_25gbps']['model']}); inputs under "
+                                         f"{head}.projection_16x8_v100_25gbps.inputs; None: never faster than dense")
+        figures["auto_mode"] = {"picks_at_25gbps": proj["auto_picks"], "why": proj["auto_why"]}
     if args.accuracy:
         storage = args.storage or tempfile.mkdtemp(prefix="bench-comm-")
         acc = accuracy(storage, [f"--{kv}" for kv in args.set], args.epochs, args.accuracy_plain)

@@ -1,4 +1,5 @@
-"""The comm benchmark's own arithmetic: buckets, overlap share, crossover bandwidth, handed-byte counting."""
+"""The comm benchmark's own arithmetic: buckets, overlap share, the projection and crossover through the shared
+crossover model, handed-byte counting per process group."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bench.comm import _buckets, _Handed, _overlap, crossover_gbps
+from app.train import comm_auto
+from bench.comm import PROJECTED_MODES, _buckets, _Handed, _overlap, crossover_here, project
 
 
 def test_buckets_cover_every_parameter_once_in_reverse_order_within_the_cap():
@@ -22,15 +24,42 @@ def test_overlap_counts_collective_time_before_the_last_hook_call():
     # Bucket 0 runs 1.0 -> 3.0 while backward goes on until the last call at 2.0; bucket 1 runs 2.0 -> 2.5.
     res = _overlap([(0, 1.0, 3.0), (1, 2.0, 2.5)], t_backward=0.5)
     assert res["overlap_frac"] == pytest.approx(1.0 / 2.5)
+    assert res["window_s"] == pytest.approx(1.0)  # first hook call to the last: the compute left to hide behind
     assert res["buckets"][0] == {"bucket": 0, "call_ms": 500.0, "done_ms": 2500.0}
     assert _overlap([(0, 1.0, 1.0)], 0.0)["overlap_frac"] == 0.0  # a synchronous hook overlaps nothing
 
 
-def test_crossover_is_where_saved_bytes_cost_as_long_as_the_extra_compute():
-    # 100 MB saved per step, 0.1 s of compression compute: 8e8 bit / 0.1 s = 8 Gbit/s.
-    assert crossover_gbps(101e6, 1e6, 0.1) == pytest.approx(8.0)
-    assert crossover_gbps(1e6, 2e6, 0.1) is None  # sends more than dense: never faster
-    assert crossover_gbps(2e6, 1e6, 0.0) is None
+def test_projection_writes_its_model_and_inputs_and_compares_both_dense_all_reduces():
+    proj = project("resnet50", 25_557_032, 2_000_000, compress_s=0.05, cast_s=0.01, window_share=0.9,
+                   compress_source="test figures")
+    assert set(proj["modes"]) == set(PROJECTED_MODES) and "hierarchical_dense" in proj["modes"]
+    assert proj["model"] == comm_auto.FORMULA and "max(0, async_s(mode) - overlap_s)" in proj["model"]
+    costs = proj["inputs"]["costs"]
+    assert costs["compute_s"] == pytest.approx(256 / 1200) and costs["compress_s"] == 0.05
+    assert costs["overlap_s"] == pytest.approx(256 / 1200 * 2 / 3 * 0.9)  # measured share of the modelled backward
+    assert proj["inputs"]["cluster"]["nodes"] == 16 and proj["inputs"]["cluster"]["link_gbps"] == 25.0
+    assert proj["inputs"]["sources"]["compress_s / cast_s"] == "test figures"
+    dense, hier = proj["modes"]["dense"], proj["modes"]["hierarchical_dense"]
+    assert hier["inter_node_bytes"] < dense["inter_node_bytes"]
+    # the step is the shared model's: the bench and comm.mode=auto cannot disagree
+    c = comm_auto.Cluster(**proj["inputs"]["cluster"])
+    s = comm_auto.StepCosts(**costs)
+    for mode, row in proj["modes"].items():
+        assert row["step_s"] == pytest.approx(comm_auto.step_s(mode, c, s), abs=1e-6)
+        assert row["efficiency"] == pytest.approx(costs["compute_s"] / row["step_s"], rel=1e-3)
+    assert proj["modes"]["hierarchical_topk"]["crossover_gbps"] == comm_auto.crossover_gbps("hierarchical_topk", c, s)
+    assert proj["auto_picks"] in ("dense", "bf16", "hierarchical_topk") and proj["auto_why"].startswith("picked")
+
+
+def test_crossover_here_is_where_the_mode_and_dense_steps_meet():
+    out = crossover_here(11_689_512, 4, compress_s=0.2, cast_s=0.02, overlap_s=0.01, compute_s=0.5)
+    x = out["gbps"]["hierarchical_topk"]
+    assert x is not None and 0 < x < 100
+    costs = comm_auto.StepCosts(**out["inputs"]["costs"])
+    at = comm_auto.Cluster(2, 2, x, comm_auto.INTRA_GBPS["cpu"])
+    assert comm_auto.step_s("hierarchical_topk", at, costs) == pytest.approx(comm_auto.step_s("dense", at, costs),
+                                                                              rel=1e-3)
+    assert out["inputs"]["cluster"]["link_gbps"] == "solved for"
 
 
 def test_handed_bytes_count_the_tensors_given_to_collectives(tmp_path):
@@ -42,6 +71,11 @@ def test_handed_bytes_count_the_tensors_given_to_collectives(tmp_path):
         parts = [torch.empty(3, dtype=torch.float64)]
         dist.all_gather(parts, torch.ones(3, dtype=torch.float64))
         assert handed.bytes == 10 * 4 + 3 * 8
+        assert handed.by_group == {"world": 10 * 4 + 3 * 8}
+        node = dist.new_group([0])
+        handed.names = {id(node): "node"}
+        dist.all_reduce(torch.zeros(5), group=node)
+        assert handed.by_group == {"world": 64, "node": 20} and handed.bytes == 84
         assert torch.equal(parts[0], torch.ones(3, dtype=torch.float64))
     finally:
         dist.all_reduce, dist.all_gather = orig

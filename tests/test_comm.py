@@ -16,8 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from app.config import CommConfig
-from app.train.comm import CommHook, allgather_bytes, ring_allreduce_bytes
+from app.config import CommConfig, ConfigError, load_config
+from app.train import comm_auto
+from app.train.comm import AUTO_MEASURE_STEPS, CommHook, allgather_bytes, ring_allreduce_bytes
+from app.train.device import pop_unit_events
 from app.train.topology import Topology, build_groups
 
 WORLD = 4
@@ -25,6 +27,8 @@ PER_NODE = 2
 N = 40
 LAYOUT = [("a", 24), ("b", 16)]
 RATIO = 0.1  # k = 4 of 40 (flat), 2 of each 20-entry chunk (hierarchical)
+N_AUTO = 200_000  # comm.mode=auto: a gradient large enough for bytes, not latency, to decide on a slow link
+SLOW_GBPS, FAST_GBPS = 0.01, 1e4
 
 
 def _grads(rank: int, step: int, integer: bool = False) -> torch.Tensor:
@@ -102,9 +106,36 @@ def _known_tensor_worker(rank: int, world: int, folder: str) -> None:
     out["agree_out"] = h.aggregate(_grads(rank, 1), LAYOUT)
     out["agree_step"] = h.step
     out["groups"] = build_groups(topo)
+    # comm.mode=auto: one measured dense step, then the crossover model picks for the link speed.
+    pop_unit_events()
+    layout = [("w", N_AUTO)]
+    for name, gbps in (("slow", SLOW_GBPS), ("fast", FAST_GBPS)):
+        h = _hook(topo, mode="auto", link_gbps=gbps, ratio=0.01)
+        first = h.aggregate(_auto_grads(rank, 0), layout)
+        for step in range(1, AUTO_MEASURE_STEPS):
+            h.aggregate(_auto_grads(rank, step), layout)
+        inter0 = h.bytes_inter_node / AUTO_MEASURE_STEPS  # one measured (dense) step
+        h.aggregate(_auto_grads(rank, AUTO_MEASURE_STEPS), layout)
+        out[f"auto_{name}"] = {"mode": h.mode, "first": first, "inter_measured_step": inter0,
+                               "inter_decided_step": h.bytes_inter_node - AUTO_MEASURE_STEPS * inter0,
+                               "describe": h.describe(),
+                               "events": [e for e in pop_unit_events() if e["unit"] == "comm_auto"],
+                               "state": h.state_dict()}
+    # Resume: the saved choice is kept on the same layout (a faster link now would not flip it), and decided
+    # again on another worker count.
+    kept = _hook(topo, mode="auto", link_gbps=FAST_GBPS, ratio=0.01)
+    kept.load_state_dict(out["auto_slow"]["state"], world_size=world)
+    regrown = _hook(topo, mode="auto", link_gbps=FAST_GBPS, ratio=0.01)
+    regrown.load_state_dict(out["auto_slow"]["state"], world_size=world + 4)
+    out["auto_kept"] = {"mode": kept.mode, "residuals": len(kept.residuals()), "regrown_mode": regrown.mode,
+                        "regrown_describe": regrown.describe()}
     torch.save(out, os.path.join(folder, f"out{rank}.pt"))
     dist.destroy_process_group()
     os._exit(0)  # skip interpreter teardown: ~20 s per process on a loaded 2-core machine
+
+
+def _auto_grads(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(N_AUTO, generator=torch.Generator().manual_seed(5000 + 10 * step + rank))
 
 
 def _spawn(fn, folder: pathlib.Path, world: int = WORLD) -> list[dict]:
@@ -359,6 +390,16 @@ def _ddp_worker(rank: int, world: int, folder: str) -> None:
             hook.step = saved["comm"]["step"]  # same warm-up position, residuals lost
         _train(ddp, opt, x, y, 5)
         out[f"resumed_comm_{with_comm}"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    # comm.mode=auto through DDP on a slow link: decided inside the hook, at a bucket, after the measured steps.
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=0.004)
+    hook = _hook(topo, mode="auto", link_gbps=0.001, ratio=0.05, warmup_steps=3)
+    hook.install(ddp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = _train(ddp, opt, x, y, 40)
+    out["auto"] = {"losses": losses, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                   "mode": hook.mode, "compressed": hook.compressed_steps, "inter": hook.bytes_inter_node,
+                   "describe": hook.describe(), "evidence": hook.auto_evidence}
     torch.save(out, os.path.join(folder, f"out{rank}.pt"))
     dist.destroy_process_group()
     os._exit(0)  # skip interpreter teardown: ~20 s per process on a loaded 2-core machine
@@ -399,3 +440,114 @@ def test_real_ddp_resume_with_residuals_continues_exactly(ddp_runs):
         d = ddp_runs[r]
         assert torch.equal(d["resumed_comm_True"], d["resume_uninterrupted"])
         assert not torch.equal(d["resumed_comm_False"], d["resume_uninterrupted"]), "residuals made no difference"
+
+
+def test_real_ddp_auto_picks_hierarchical_topk_on_a_slow_link_and_trains(ddp_runs):
+    d = ddp_runs[0]["auto"]
+    assert d["mode"] == "hierarchical_topk", d["describe"]
+    assert d["compressed"] == 40 - 3 and d["inter"] < ddp_runs[0]["dense"]["inter"] / 5
+    first, last = sum(d["losses"][:3]) / 3, sum(d["losses"][-3:]) / 3
+    assert last < 0.6 * first
+    ev = d["evidence"]
+    assert ev["costs"]["buckets"] > 1 and ev["costs"]["elements"] == sum(p.numel() for p in _model().parameters())
+    assert ev["costs"]["overlap_s"] > 0  # the backward window between the first and the last bucket was measured
+    for r in range(1, WORLD):
+        assert ddp_runs[r]["auto"]["mode"] == d["mode"]
+        torch.testing.assert_close(ddp_runs[r]["auto"]["params"], d["params"], rtol=0, atol=1e-6)
+
+
+# --- comm.mode=auto on known tensors ---------------------------------------------------------------
+def test_auto_runs_its_first_step_dense_then_picks_compression_on_a_slow_link(known):
+    mean0 = torch.stack([_auto_grads(r, 0) for r in range(WORLD)]).mean(0)
+    for r in range(WORLD):
+        d = known[r]["auto_slow"]
+        assert d["mode"] == "hierarchical_topk"
+        torch.testing.assert_close(d["first"], mean0)  # the measured step: a dense mean
+        assert d["inter_decided_step"] * 50 < d["inter_measured_step"]  # compressed between nodes from the next step
+        assert d["state"]["auto_choice"] == "hierarchical_topk"
+        (event,) = d["events"]
+        assert event["chosen"] == "hierarchical_topk" and event["link_gbps"] == SLOW_GBPS
+        assert event["message"].startswith(f"picked hierarchical_topk for a {SLOW_GBPS:g} Gbps link between 2 node(s)")
+        assert "modelled step dense" in event["message"] and "compression" in event["message"]
+        assert event["modes"]["hierarchical_topk"] < event["modes"]["dense"]
+        assert "auto for 0.01 Gbps -> hierarchical top-k" in d["describe"]
+
+
+def test_auto_keeps_dense_on_a_fast_link(known):
+    for r in range(WORLD):
+        d = known[r]["auto_fast"]
+        assert d["mode"] == "dense" and d["inter_decided_step"] == d["inter_measured_step"]
+        (event,) = d["events"]
+        assert event["chosen"] == "dense" and event["message"].startswith(f"picked dense for a {FAST_GBPS:g} Gbps")
+        assert min(event["modes"].values()) == event["modes"]["dense"] or \
+            min(event["modes"].values()) > (1 - comm_auto.AUTO_MARGIN) * event["modes"]["dense"]
+
+
+def test_auto_keeps_its_choice_on_resume_and_decides_again_on_a_new_layout(known):
+    for r in range(WORLD):
+        d = known[r]["auto_kept"]
+        assert d["mode"] == "hierarchical_topk" and d["residuals"] == 1  # kept, residuals with it
+        assert d["regrown_mode"] == "dense" and "undecided" in d["regrown_describe"]
+
+
+def test_auto_needs_a_link_speed_and_validates_it():
+    with pytest.raises(ConfigError, match=r"comm.link_gbps: bad value 0; comm.mode=auto needs the link speed"):
+        load_config("demo", {"comm.mode": "auto"})
+    with pytest.raises(ConfigError, match=r"comm.link_gbps: bad value -1.0; expected a number in \[0, 1e\+06\]"):
+        load_config("demo", {"comm.mode": "auto", "comm.link_gbps": "-1"})
+    with pytest.raises(ConfigError, match="comm.link_gbps: bad value 'fast'; expected a number"):
+        load_config("demo", {"comm.mode": "auto", "comm.link_gbps": "fast"})
+    cfg = load_config("demo", {"comm.mode": "auto", "comm.link_gbps": "25"})
+    assert (cfg.comm.mode, cfg.comm.link_gbps) == ("auto", 25.0)
+
+
+# --- the crossover model (pure arithmetic) ---------------------------------------------------------
+RESNET50 = comm_auto.StepCosts(elements=25_557_032, buckets=4, ratio=0.01, compress_s=0.05, cast_s=0.01,
+                               overlap_s=0.1, compute_s=0.213)
+
+
+def test_crossover_model_picks_compression_below_the_crossover_and_dense_above():
+    c = comm_auto.Cluster(nodes=16, workers_per_node=8, link_gbps=25.0)
+    x = comm_auto.crossover_gbps("hierarchical_topk", c, RESNET50)
+    assert 1 < x < 100
+    top = max(x, comm_auto.crossover_gbps("bf16", c, RESNET50))
+    slow, fast = comm_auto.Cluster(16, 8, x / 10), comm_auto.Cluster(16, 8, top * 2)
+    assert comm_auto.choose(slow, RESNET50, ["bf16", "hierarchical_topk"])[0] == "hierarchical_topk"
+    assert comm_auto.choose(fast, RESNET50, ["bf16", "hierarchical_topk"])[0] == "dense"
+    at = comm_auto.Cluster(16, 8, x)
+    assert comm_auto.step_s("hierarchical_topk", at, RESNET50) == pytest.approx(
+        comm_auto.step_s("dense", at, RESNET50), rel=1e-3)
+
+
+def test_overlap_hides_dense_communication_and_lowers_the_crossover():
+    c = comm_auto.Cluster(16, 8, 25.0)
+    hidden = comm_auto.crossover_gbps("hierarchical_topk", c, RESNET50)
+    exposed = comm_auto.crossover_gbps("hierarchical_topk", c,
+                                       comm_auto.StepCosts(**{**RESNET50.__dict__, "overlap_s": 0.0}))
+    assert exposed > hidden
+    # a dense all-reduce shorter than the backward window costs nothing extra
+    rows = comm_auto.table(comm_auto.Cluster(16, 8, 1000.0), RESNET50, ["dense"])
+    assert rows["dense"]["step_s"] == pytest.approx(RESNET50.compute_s)
+
+
+def test_hierarchical_dense_sends_less_over_the_link_than_a_flat_ring():
+    c = comm_auto.Cluster(16, 8, 25.0)
+    size = 4 * RESNET50.elements
+    flat, hier = (comm_auto.parts(m, c, RESNET50)["inter_bytes"] for m in ("dense", "hierarchical_dense"))
+    assert flat == pytest.approx(2 * 127 / 128 * size) and hier == pytest.approx(2 * 15 / 16 * size)
+    # hierarchical top-k crosses each node's link with (N-1) 8k bytes: the all-gather grows with the nodes
+    hier_topk = comm_auto.parts("hierarchical_topk", c, RESNET50)["inter_bytes"]
+    assert hier_topk == pytest.approx(15 * 8 * 0.01 * RESNET50.elements) and hier_topk * 6 < flat
+    # one node: nothing crosses, and hierarchical top-k is the dense reduction
+    one = comm_auto.Cluster(1, 8, 25.0)
+    assert comm_auto.parts("dense", one, RESNET50)["inter_bytes"] == 0
+    assert comm_auto.step_s("hierarchical_topk", one, RESNET50) == comm_auto.step_s("dense", one, RESNET50)
+
+
+def test_auto_measures_compression_and_casts_on_the_device_scaled_to_the_gradient():
+    cpu = torch.device("cpu")
+    small = comm_auto.time_compression(50_000, 0.01, "sampled", cpu, max_elements=50_000, reps=3)
+    scaled = comm_auto.time_compression(5_000_000, 0.01, "sampled", cpu, max_elements=50_000, reps=3)
+    assert 0 < small and scaled > 5 * small  # timed on 50k entries, scaled by 100 to the gradient's size
+    assert comm_auto.time_cast(50_000, torch.bfloat16, cpu) > 0
+    assert comm_auto.half_mode(cpu) == "bf16"

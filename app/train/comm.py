@@ -17,6 +17,16 @@ bucket. Modes (``comm.mode``):
   So only ``k`` entries per chunk cross the slow network, and all ``M`` NICs/streams share the
   work. With one node nothing crosses the network and the bucket is reduced densely.
 - ``powersgd``: torch's PowerSGD hook (rank ``comm.powersgd_rank``), for comparison.
+- ``auto``: the hook runs its first ``AUTO_MEASURE_STEPS`` steps dense and measures, on this worker, the
+  backward window the buckets arrive in (on the last of them: DDP rebuilds its buckets after the first
+  step), the compression's and the half-precision casts' compute over the gradient's size;
+  the ranks agree on the largest of each (one all-reduce), and at the first bucket of the next step the
+  crossover model (``app.train.comm_auto``) picks dense, bf16 (fp16 where the GPU lacks bf16) or
+  hierarchical top-k for ``comm.link_gbps`` and the node/worker layout, logged as the ``comm_auto``
+  unit with its inputs and modelled step times. The choice is saved in the checkpoint and kept on
+  resume while the worker set's layout is the same (a new worker adopts it from the others); a new
+  layout decides again. Momentum correction, when asked for, is the hook's from the first step
+  whichever mode is picked, so the optimizer's momentum never switches owner mid-run.
 
 Deep Gradient Compression's accuracy units (``app.train.dgc``; each off by default, each reported
 at set-up through ``unit_log`` and in ``describe``/``stats``): momentum correction
@@ -73,6 +83,7 @@ import torch
 import torch.distributed as dist
 
 from app.config import CommConfig
+from app.train import comm_auto
 from app.train.compress import SelectionStats, k_for, select
 from app.train.device import unit_log
 from app.train.dgc import accumulate_velocity, clip_local, warmup_ratio
@@ -81,6 +92,8 @@ from app.train.topology import Topology, build_groups
 Layout = list[tuple[str, int]]  # (parameter name, numel) in bucket order
 
 STATE_VERSION = 1
+AUTO_CHOICES = ("dense", "fp16", "bf16", "hierarchical_topk")  # what comm.mode=auto can pick (codes 1..4)
+AUTO_MEASURE_STEPS = 2  # dense steps comm.mode=auto measures before it decides
 
 
 def ring_allreduce_bytes(nbytes: int, world: int) -> int:
@@ -177,7 +190,8 @@ class CommHook:
         self.group_timeout = timedelta(seconds=timeout_s) if timeout_s else None
         self.topology = topology
         self.device = torch.device(device)
-        self.mode = cfg.mode
+        self.auto = cfg.mode == "auto"
+        self.mode = "dense" if self.auto else cfg.mode  # auto: dense until the first steps have been measured
         self.world_size = topology.world_size
         self.step = 0  # optimizer steps seen by the hook (a step ends with DDP's last bucket)
         self.bytes_sent = 0
@@ -208,7 +222,7 @@ class CommHook:
         self._psgd_pending: dict | None = None
         # DGC units (app.train.dgc). Momentum correction replaces the optimizer's momentum, which only
         # works for plain SGD (LARS/LAMB scale the update per layer after their own momentum).
-        sparse = cfg.mode in ("topk", "hierarchical_topk")
+        sparse = cfg.mode in ("topk", "hierarchical_topk", "auto")
         self.momentum_correction = cfg.momentum_correction and sparse and optimizer == "sgd"
         self.nesterov = nesterov
         self.momentum = 0.0  # the schedule's momentum for this step (optimizer_momentum)
@@ -220,6 +234,16 @@ class CommHook:
         self.selection = SelectionStats()
         self._sel_gen = torch.Generator(device=self.device).manual_seed(1234 + topology.rank)
         self.bucket_timings: list[tuple[int, float, float]] | None = None  # (bucket, hook call, future done)
+        # comm.mode=auto: pending until decided; what the measured step saw (bucket calls, elements, buckets)
+        self._auto_pending = self.auto and self.world_size > 1
+        self._auto_hier_ready = False
+        self._auto_first: float | None = None
+        self._auto_last = 0.0
+        self._auto_elements = self._auto_buckets = self._auto_steps = 0
+        self._auto_window = 0.0
+        self.auto_evidence: dict[str, Any] | None = None
+        if self.auto and self.world_size == 1:
+            unit_log("comm_auto", "picked dense: a single worker communicates nothing", chosen="dense")
         self._unit_events(optimizer, sparse)
         if self.mode == "powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
@@ -285,7 +309,7 @@ class CommHook:
             self._effective = "identity"
             self._notes.append("single worker: nothing to communicate")
             return
-        if self.mode != "hierarchical_topk":
+        if self.mode != "hierarchical_topk" and not self.auto:
             return
         node_groups, cross_groups = build_groups(self.topology)
         sizes = {len(g) for g in node_groups}
@@ -298,6 +322,9 @@ class CommHook:
             for r in g:
                 placement_local[r] = cross_groups.index(g)
         if len(sizes) != 1 or any(sorted(placement_local[r] for r in g) != list(range(len(g))) for g in node_groups):
+            if self.auto:
+                self._notes.append("auto: nodes hold different worker counts: hierarchical top-k is no candidate")
+                return
             self._effective = "topk"
             self._notes.append(f"nodes hold different worker counts {sorted(len(g) for g in node_groups)}: "
                                "hierarchical top-k falls back to flat top-k")
@@ -305,6 +332,9 @@ class CommHook:
         self._num_nodes = len(node_groups)
         self._node_size = sizes.pop()
         if self._num_nodes == 1:
+            if self.auto:
+                self._notes.append("auto: one node: hierarchical top-k would reduce densely, no candidate")
+                return
             self._effective = "dense"
             self._notes.append("one node: nothing crosses the network, buckets are reduced densely")
             return
@@ -316,6 +346,7 @@ class CommHook:
             if rank in g:
                 self._cross_group = pg
         self._local_index = placement_local[rank]
+        self._auto_hier_ready = True
 
     def install(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
         """Register this hook on ``ddp_model`` (a collective for hierarchical_topk)."""
@@ -336,17 +367,70 @@ class CommHook:
         self._need_agree = False
         if self.world_size == 1:
             return
-        vals = [self.step, self._force_dense, self._psgd.iter if self._psgd is not None else 0]
+        vals = [self.step, self._force_dense, self._psgd.iter if self._psgd is not None else 0, self._auto_code()]
         t = torch.tensor(vals, dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         self.step, self._force_dense = int(t[0]), int(t[1])
         if self._psgd is not None:
             self._psgd.iter = int(t[2])
+        if self._auto_pending and int(t[3]) > 0:  # a worker without the saved choice takes the others'
+            choice = AUTO_CHOICES[int(t[3]) - 1]
+            self._apply_auto(choice)
+            self._notes.append(f"auto: {choice} adopted from the other workers' checkpoints")
+            unit_log("comm_auto", f"kept {choice} from the other workers' checkpoints", chosen=choice)
+
+    # --- comm.mode=auto ------------------------------------------------------------------------
+    def _auto_code(self) -> int:
+        return 0 if not self.auto or self._auto_pending else AUTO_CHOICES.index(self.mode) + 1
+
+    def _apply_auto(self, mode: str) -> None:
+        if mode == "hierarchical_topk":
+            self.prepare()  # a no-op after install; a hook loaded before it builds its groups here
+        if mode == "hierarchical_topk" and not self._auto_hier_ready:
+            raise RuntimeError("comm.mode=auto: hierarchical_topk picked without its process groups")
+        self.mode = self._effective = mode
+        self._auto_pending = False
+
+    def _auto_tick(self, n: int, device: torch.device) -> None:
+        """Record a bucket of the measured step; at the first bucket after it, decide."""
+        if self._auto_steps >= AUTO_MEASURE_STEPS and self._auto_first is None:
+            self._auto_decide(device)
+            return
+        now = time.perf_counter()
+        if self._auto_first is None:
+            self._auto_first, self._auto_elements, self._auto_buckets = now, 0, 0
+        self._auto_last = now
+        self._auto_elements += n
+        self._auto_buckets += 1
+
+    def _auto_decide(self, device: torch.device) -> None:
+        """Measure the compression and cast compute, agree on the inputs, pick the mode (a collective)."""
+        c, n = self.cfg, self._auto_elements
+        half = comm_auto.half_mode(device)
+        compress = comm_auto.time_compression(n, c.ratio, c.selection, device)
+        cast = comm_auto.time_cast(n, torch.float16 if half == "fp16" else torch.bfloat16, device)
+        t = torch.tensor([compress, cast, self._auto_window], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # every rank decides on the same inputs, so the same way
+        costs = comm_auto.StepCosts(elements=n, buckets=self._auto_buckets, ratio=c.ratio, compress_s=float(t[0]),
+                                    cast_s=float(t[1]), overlap_s=float(t[2]))
+        cluster = comm_auto.Cluster(self.topology.num_nodes, self.topology.local_world_size, c.link_gbps,
+                                    comm_auto.INTRA_GBPS.get(device.type, comm_auto.INTRA_GBPS["cpu"]))
+        candidates = [half, *(["hierarchical_topk"] if self._auto_hier_ready else [])]
+        mode, why, evidence = comm_auto.choose(cluster, costs, candidates)
+        self._apply_auto(mode)
+        self.auto_evidence = evidence
+        self._notes.append(f"auto: {why}")
+        unit_log("comm_auto", why, chosen=mode, link_gbps=c.link_gbps, candidates=candidates,
+                 modes={m: r["step_s"] for m, r in evidence["modes"].items()})
 
     def _dense_now(self) -> bool:
         return self.mode == "dense" or self.step < self.cfg.warmup_steps or self._force_dense > 0
 
     def _end_step(self) -> None:
+        if self._auto_pending and self._auto_first is not None:
+            self._auto_window = self._auto_last - self._auto_first  # backward from the first bucket to the last
+            self._auto_first = None
+            self._auto_steps += 1
         if self._step_was_dense:
             self.dense_steps += 1
             if self._force_dense > 0 and self.step >= self.cfg.warmup_steps:
@@ -391,6 +475,8 @@ class CommHook:
         n = buf.numel()
         if self._need_agree:
             self._agree(buf.device)
+        if self._auto_pending:
+            self._auto_tick(n, buf.device)
         self.dense_bytes += ring_allreduce_bytes(n * 4, world)
         self._step_was_dense = False
         if self._effective == "identity":
@@ -402,7 +488,9 @@ class CommHook:
             post = self._dense_velocity(buf, layout, index) if self.momentum_correction else None
             return self._dense(buf, torch.float32 if buf.dtype == torch.float32 else buf.dtype, sync, post)
         if self.mode in ("fp16", "bf16"):
-            return self._dense(buf, torch.float16 if self.mode == "fp16" else torch.bfloat16, sync)
+            # (momentum correction here only under auto, which may pick a half-precision mode)
+            post = self._dense_velocity(buf, layout, index) if self.momentum_correction else None
+            return self._dense(buf, torch.float16 if self.mode == "fp16" else torch.bfloat16, sync, post)
         if self._effective == "topk":
             return self._topk(buf, layout, index, sync)
         return self._hierarchical(buf, layout, index, sync)
@@ -627,6 +715,7 @@ class CommHook:
             "compressed_steps": self.compressed_steps, "force_dense": self._force_dense,
             "residuals": self.residuals(), "powersgd": None, "momentum": self.velocities(),
             "dense_momentum": self._slots["dense_momentum"].per_param(), "selection_rng": self._sel_gen.get_state(),
+            "auto_choice": self.mode if self.auto and not self._auto_pending else None,
         }
         if self._psgd is not None:
             # The same slots torch's PowerSGDState.__getstate__ saves (all but the process group),
@@ -659,6 +748,11 @@ class CommHook:
                                                                  self.topology.local_world_size):
             changes.append(f"layout {sd.get('num_nodes')}x{sd.get('local_world_size')} -> "
                            f"{self.topology.num_nodes}x{self.topology.local_world_size}")
+        if self.auto and self._auto_pending and sd.get("auto_choice") in AUTO_CHOICES and not changes:
+            # The same layout: keep the run's choice (deciding again could flip the mode and drop residuals).
+            self._apply_auto(sd["auto_choice"])
+            self._notes.append(f"auto: {self.mode} kept from the checkpoint")
+            unit_log("comm_auto", f"kept {self.mode} from the checkpoint (same worker layout)", chosen=self.mode)
         if int(sd["rank"]) != self.topology.rank:
             changes.append(f"state of rank {sd['rank']} loaded on rank {self.topology.rank}")
         if sd["mode"] != self.mode:
@@ -694,7 +788,8 @@ class CommHook:
 
     # --- reporting ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        return {"comm_mode": self.mode, "comm_bytes": self.bytes_sent, "comm_bytes_inter_node": self.bytes_inter_node,
+        return {"comm_mode": self.mode, "comm_auto": self.auto, "comm_bytes": self.bytes_sent,
+                "comm_bytes_inter_node": self.bytes_inter_node,
                 "comm_dense_bytes": self.dense_bytes, "comm_seconds": self.comm_seconds,
                 "comm_compressed_steps": self.compressed_steps, "comm_dense_steps": self.dense_steps,
                 "comm_ratio_now": self.ratio_now, "comm_momentum_correction": self.momentum_correction,
@@ -741,6 +836,9 @@ class CommHook:
         if self.mode in ("topk", "hierarchical_topk"):
             what += "; " + self._dgc_summary()
         frac = f"{self.bytes_sent / self.dense_bytes:.2%} of dense" if self.dense_bytes else "n/a"
+        if self.auto:
+            what = (f"auto for {c.link_gbps:g} Gbps -> " + ("undecided (dense so far)" if self._auto_pending
+                                                           else what))
         line = (f"comm: {what}; {self.topology.describe()}; steps {self.step} "
                 f"({self.compressed_steps} compressed, {self.dense_steps} dense); sent {self.bytes_sent / 1e6:.2f} MB "
                 f"({frac}), inter-node {self.bytes_inter_node / 1e6:.2f} MB")
