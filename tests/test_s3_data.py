@@ -26,6 +26,7 @@ from app.data.prepare import prepare
 from app.data.source import detect_kind, list_imagefolder
 from app.data.sources_rows import ROW_BITS
 from bench.pipeline import make_source
+from bench.prepare_scale import start_ray
 from tests.conftest import S3_ENV
 from tests.test_sources import check_cache, make_parquet
 
@@ -78,7 +79,7 @@ def tree(s3_query, tmp_path_factory) -> tuple[pathlib.Path, str]:
 def cluster(s3_query):
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_ray(2)  # Ray gives its node a fixed 30 s to start: retried on a loaded machine
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield
     ray.shutdown()
@@ -94,10 +95,27 @@ def test_an_imagefolder_tree_on_s3_lists_like_the_same_tree_on_disk(tree):
             [(e.path, e.size, e.label) for e in here.splits[split]]
 
 
-def test_prepare_only_reads_a_parquet_source_on_s3_into_an_s3_cache(s3_query, tmp_path):
-    expected = make_parquet(tmp_path / "pq")
-    data = upload(tmp_path / "pq", s3_uri(s3_query, "parquet"))
-    cache = s3_uri(s3_query, "cache-pq")
+@pytest.fixture(scope="module")
+def parquet_on_s3(s3_query, tmp_path_factory) -> tuple[dict[str, list], str]:
+    """The Hugging Face layout of tests/test_sources.py (one truncated JPEG among its rows), on s3."""
+    local = tmp_path_factory.mktemp("s3pq") / "pq"
+    expected = make_parquet(local)
+    return expected, upload(local, s3_uri(s3_query, "parquet"))
+
+
+def test_a_parquet_source_on_s3_prepares_into_an_s3_cache(parquet_on_s3, cluster, s3_query):
+    expected, data = parquet_on_s3
+    assert detect_kind(data) == "parquet"
+    out = str(prepare(data, s3_uri(s3_query, "cache-pq"), [32, 48], raw_max_resolution=64, shard_rows=4))
+    assert out.startswith(f"s3://{BUCKET}/cache-pq/") and out.endswith(s3_query)
+    man = check_cache(out, expected, (1 << ROW_BITS) | 3, "truncated")  # reads every shard back from s3
+    assert man.bad_files()[0]["path"] == "data/train-00001-of-00002.parquet#3"
+
+
+@pytest.mark.slow  # a driver process that starts its own Ray cluster: 60-110 s on a loaded 2-core machine
+def test_prepare_only_with_data_on_s3_prints_the_s3_cache(parquet_on_s3, s3_query, tmp_path):
+    expected, data = parquet_on_s3
+    cache = s3_uri(s3_query, "cache-cli")
     out = subprocess.run(
         [sys.executable, "app/run.py", "--prepare-only", "--data", data, f"--data.cache_dir={cache}",
          "--data.tiers=[32, 48]", "--data.raw_max_resolution=64", "--data.shard_rows=4", "--storage", str(tmp_path),
@@ -105,9 +123,8 @@ def test_prepare_only_reads_a_parquet_source_on_s3_into_an_s3_cache(s3_query, tm
         cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, **S3_ENV})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     location = out.stdout.strip().splitlines()[-1]
-    assert location.startswith(f"s3://{BUCKET}/cache-pq/") and location.endswith(s3_query)
-    man = check_cache(location, expected, (1 << ROW_BITS) | 3, "truncated")  # reads the shards from s3
-    assert man.bad_files()[0]["path"] == "data/train-00001-of-00002.parquet#3"
+    assert location.startswith(f"s3://{BUCKET}/cache-cli/") and location.endswith(s3_query)
+    check_cache(location, expected, (1 << ROW_BITS) | 3, "truncated")
 
 
 @pytest.fixture(scope="module")
