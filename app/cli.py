@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
             resolve_run(cfg)
             connect_ray(cfg, args.verbose)
-            print(prepare_main(cfg).root)
+            print(prepare_main(cfg))  # the manifest folder: a local path or the cache URI
             return 0
         from app.report.progress import print_summary_table
         from app.train.runner import resolve_run, run_training

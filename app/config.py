@@ -170,6 +170,8 @@ class DataConfig:
     source: Str = "demo"  # "demo", a local ImageFolder path, or a pyarrow URI (s3://...)
     cache_dir: Str = ""  # shared shard cache; "" = <storage>/cache
     local_cache_dir: Str = ""  # node-local copy of shards (NVMe); "" = /tmp/lightray-cache
+    # disk budget of those node-local copies in GiB, least recently used evicted first; 0 = unlimited
+    local_cache_max_gb: Annotated[Float, Range(0.0, 10**6)] = 0.0
     memory_budget_mb: Annotated[Int, Range(0, 10**7)] = 1024  # tiers whose decoded size fits go to the object store
     jpeg_quality: Annotated[Int, Range(1, 100)] = 90
     raw_max_resolution: Int = 64  # tiers at or below this store raw uint8 pixels, not JPEG

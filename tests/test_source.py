@@ -95,3 +95,22 @@ def test_root_that_is_a_file_is_rejected(tmp_path):
     _img(f)
     with pytest.raises(DataError, match=f"{f}: is a file"):
         list_imagefolder(str(f))
+
+
+def test_class_folders_listed_in_parallel_give_the_order_of_a_one_by_one_listing(tmp_path, monkeypatch):
+    from app.data import source
+
+    spec = {"train": {f"c{i:02d}": [f"{j}.jpg" for j in range(i % 4 + 1)] for i in range(40)},
+            "val": {"c03": ["v1.jpg", "v0.jpg"], "c17": ["v2.jpg"]}}
+    root = _tree(tmp_path / "ds", spec)
+    _img(root / "train" / "c05" / "nested" / "deep.jpg")  # subfolders of a class are its images too
+    _img(root / "train" / ".cache" / "x.jpg")  # a hidden folder is not a class
+    _img(root / "train" / "loose.jpg")  # nor is a file beside the class folders
+    many = list_imagefolder(str(root))
+    monkeypatch.setattr(source, "LIST_THREADS", 1)
+    one = list_imagefolder(str(root))
+    assert many.splits == one.splits and many.fingerprint() == one.fingerprint()
+    assert many.classes == [f"c{i:02d}" for i in range(40)]
+    paths = [e.path for e in many.splits["train"]]
+    assert paths == sorted(paths) and "train/c05/nested/deep.jpg" in paths and len(paths) == 101
+    assert [e.path for e in many.splits["val"]] == ["val/c03/v0.jpg", "val/c03/v1.jpg", "val/c17/v2.jpg"]

@@ -61,12 +61,12 @@ def _calibration_task(spec: IngestSpec, phase: int, start: int, rows: int) -> in
     n = 0
     if ph.device_augment:  # the device path's task work: draw the crop, copy the window onto the canvas
         canvas = np.zeros((*ph.canvas, 3), np.uint8)
-        for px, _label, sid in ph.shards.arrays(spec.local_dir, shard_idx, r):
+        for px, _label, sid in ph.shards.arrays(spec.local_dir, shard_idx, r, spec.local_max_bytes):
             box, _ = augment.draw_crop(augment.sample_rng(spec.seed, 0, sid), px.shape[1], px.shape[0], ph.min_scale)
             augment.crop_window(px, box, canvas)
             n += 1
         return n
-    for img, _label, sid in ph.shards.images(spec.local_dir, shard_idx, r):
+    for img, _label, sid in ph.shards.images(spec.local_dir, shard_idx, r, spec.local_max_bytes):
         augment.train_crop(img, ph.resolution, ph.min_scale, augment.sample_rng(spec.seed, 0, sid))
         n += 1
     return n

@@ -55,7 +55,7 @@ def train_block_batch(blocks: dict, *, spec: IngestSpec, phase: int, rank: int, 
         for step in range(step0, step0 + nsteps):
             glob = order[step * ph.batch_size + lo: step * ph.batch_size + hi]
             shard_idx, rows = plan.to_shard_row(glob)
-            for img, label, sid in ph.shards.images(spec.local_dir, shard_idx, rows):
+            for img, label, sid in ph.shards.images(spec.local_dir, shard_idx, rows, spec.local_max_bytes):
                 out_img.append(augment.train_crop(img, ph.resolution, ph.min_scale,
                                                   augment.sample_rng(spec.seed, epoch, sid)))
                 out_lab.append(label)
@@ -93,7 +93,7 @@ def device_block_batch(blocks: dict, *, spec: IngestSpec, phase: int, rank: int,
     labels, ids, epochs = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64)
     i = 0
     for epoch, shard_idx, rows in pos:
-        for px, label, sid in ph.shards.arrays(spec.local_dir, shard_idx, rows):
+        for px, label, sid in ph.shards.arrays(spec.local_dir, shard_idx, rows, spec.local_max_bytes):
             box, flips[i] = augment.draw_crop(augment.sample_rng(spec.seed, epoch, sid), px.shape[1], px.shape[0],
                                               ph.min_scale)
             boxes[i] = augment.crop_window(px, box, images[i])
@@ -115,7 +115,8 @@ def val_block_batch(blocks: dict, *, spec: IngestSpec, rank: int, world_size: in
         if len(glob) == 0:
             continue
         shard_idx = np.searchsorted(offsets, glob, side="right") - 1
-        for img, label, sid in spec.val.images(spec.local_dir, shard_idx, glob - offsets[shard_idx]):
+        rows = glob - offsets[shard_idx]
+        for img, label, sid in spec.val.images(spec.local_dir, shard_idx, rows, spec.local_max_bytes):
             if spec.val_mode == "rect":
                 out_img.append(augment.rect_crop(img, width, height))
             else:
@@ -209,7 +210,8 @@ def materialize_tiers(spec: IngestSpec, budget_mb: float, num_cpus: float = 0.5,
             continue
         if sizes[key] <= left:
             t0 = time.perf_counter()
-            refs = shard_cache.materialize(tier.uris, tier.sha256, tier.fmt, spec.local_dir, num_cpus, pending)
+            refs = shard_cache.materialize(tier.uris, tier.sha256, tier.fmt, spec.local_dir, num_cpus, pending,
+                                           spec.local_max_bytes)
             left -= sizes[key]
             for _, t in group:
                 t.refs = refs

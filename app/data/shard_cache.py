@@ -4,6 +4,8 @@ Level 1, shared storage (the run's storage or s3://): the shards prepare wrote.
 Level 2, node-local disk (``local_dir``, the instance's NVMe on a cluster): a task that needs a shard
 copies it there the first time, checks its sha256 and renames it into place atomically, so concurrent
 tasks on one node never read a half-copied file; later epochs and later runs on that node read the copy.
+``data.local_cache_max_gb`` bounds the copies' disk use: the least recently used copies are evicted first
+(a copy's mtime is its last use; every lookup refreshes it).
 Level 3, the Ray object store: a tier whose *decoded* pixels fit ``data.memory_budget_mb`` is decoded
 once at start (one task per shard, :func:`materialize`) into a :class:`DecodedShard` whose arrays live
 in shared memory; map tasks ``ray.get`` it (zero-copy on the node that holds it) and skip both the
@@ -14,10 +16,14 @@ Each process keeps the last few opened shards, since consecutive plan positions 
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import pathlib
+import time
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
+from pyarrow.fs import FileType
 
 from app.data import augment
 from app.storage import resolve_fs
@@ -34,7 +41,7 @@ log = logging.getLogger(__name__)
 _MAX_OPEN = 16
 _OPEN: OrderedDict[str, Any] = OrderedDict()
 # Per-process counters (the map tasks' levels; tests read them in-process).
-STATS = {"copied": 0, "local_hits": 0, "memory_hits": 0, "parquet_reads": 0, "object_store_reads": 0}
+STATS = {"copied": 0, "local_hits": 0, "evicted": 0, "memory_hits": 0, "parquet_reads": 0, "object_store_reads": 0}
 COLUMNS = ["image", "label", "sample_id", "height", "width"]
 
 
@@ -42,15 +49,23 @@ def default_local_dir() -> str:
     return os.environ.get("LIGHTRAY_LOCAL_CACHE", "/tmp/lightray-cache")
 
 
-def local_copy(uri: str, sha256: str, local_dir: str) -> str:
-    """Path of a verified node-local copy of shard ``uri`` (content-addressed by its sha256)."""
+def local_copy(uri: str, sha256: str, local_dir: str, max_bytes: int = 0) -> str:
+    """Path of a verified node-local copy of shard ``uri`` (content-addressed by its sha256).
+
+    ``max_bytes`` > 0 is the disk budget of the copies under ``local_dir`` (``data.local_cache_max_gb``):
+    room is made before a copy by evicting the least recently used ones (:func:`make_room`)."""
     target = pathlib.Path(local_dir) / sha256[:2] / f"{sha256}.parquet"
-    if target.is_file():
+    if _touch(target):
         STATS["local_hits"] += 1
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(f".tmp{os.getpid()}")
     fs, path = resolve_fs(uri)
+    if max_bytes > 0:
+        info = fs.get_file_info(path)
+        if info.type == FileType.NotFound:
+            raise FileNotFoundError(f"shard {uri}: not found on shared storage; rerun prepare to rebuild it")
+        make_room(local_dir, int(info.size or 0), max_bytes, label=uri)
+    tmp = target.with_suffix(f".tmp{os.getpid()}")
     try:
         with fs.open_input_stream(path) as src, open(tmp, "wb") as dst:
             while chunk := src.read(1 << 22):
@@ -65,12 +80,93 @@ def local_copy(uri: str, sha256: str, local_dir: str) -> str:
                       "rerun prepare to rebuild it")
     os.replace(tmp, target)
     STATS["copied"] += 1
+    if max_bytes > 0:
+        # Other processes on the node may have copied at the same time, each having made room for its own
+        # shard only: trim back to the budget, never evicting the copy this call is about to hand out.
+        make_room(local_dir, 0, max_bytes, keep=target)
     return str(target)
 
 
-def open_table(uri: str, sha256: str, local_dir: str, columns: list[str] | None = None) -> pa.Table:
+def _touch(path: pathlib.Path) -> bool:
+    """Mark a copy as just used (its mtime is its recency); False when there is no copy (or it was evicted)."""
+    try:
+        os.utime(path)
+        return True
+    except FileNotFoundError:
+        return False
+    except PermissionError:  # a copy another user made: readable, but its recency is not ours to set
+        return path.is_file()
+
+
+def cached_copies(local_dir: str) -> list[tuple[int, int, pathlib.Path]]:
+    """(last use in ns, bytes, path) of every shard copy under ``local_dir``, least recently used first."""
+    out = []
+    for p in pathlib.Path(local_dir).glob("??/*.parquet"):
+        try:
+            st = p.stat()
+        except FileNotFoundError:  # evicted by another process between the listing and the stat
+            continue
+        out.append((st.st_mtime_ns, st.st_size, p))
+    return sorted(out)
+
+
+@contextmanager
+def _evict_lock(local_dir: str) -> Iterator[None]:
+    """One evictor at a time per node-local folder: two processes making room at once would each evict for
+    the other's shard too. Readers do not take it (an evicted file stays readable where it is mapped)."""
+    pathlib.Path(local_dir).mkdir(parents=True, exist_ok=True)
+    with open(pathlib.Path(local_dir) / ".evict.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def make_room(local_dir: str, need: int, max_bytes: int, keep: pathlib.Path | None = None,
+              label: str = "") -> list[str]:
+    """Evict least-recently-used copies under ``local_dir`` until ``need`` more bytes fit in ``max_bytes``;
+    returns the evicted paths. A copy in use elsewhere is unlinked all the same: on Linux its open and
+    memory-mapped handles stay valid, and its blocks are freed when the last one closes. A shard larger than
+    the whole budget is still copied (a run cannot read it otherwise), with a warning."""
+    evicted: list[str] = []
+    with _evict_lock(local_dir):
+        copies = cached_copies(local_dir)
+        used = sum(size for _, size, _ in copies)
+        now = time.time_ns()
+        for mtime, size, path in copies:
+            if used + need <= max_bytes:
+                break
+            if keep is not None and path == keep:
+                continue
+            try:
+                path.unlink()
+            except FileNotFoundError:  # removed by hand, or by an evictor on another node sharing the folder
+                pass
+            used -= size
+            evicted.append(str(path))
+            log.info("node-local shard cache %s: evicted %s (%.1f MB, last used %.0f s ago) to stay within "
+                     "data.local_cache_max_gb=%g", local_dir, path.name, size / 2**20, (now - mtime) / 1e9,
+                     max_bytes / 2**30)
+    STATS["evicted"] += len(evicted)
+    if need > max_bytes:
+        log.warning("node-local shard cache %s: shard %s is %.1f MB, larger than the whole budget "
+                    "data.local_cache_max_gb=%g; copying it anyway", local_dir, label, need / 2**20,
+                    max_bytes / 2**30)
+    return evicted
+
+
+def open_table(uri: str, sha256: str, local_dir: str, columns: list[str] | None = None,
+               max_bytes: int = 0) -> pa.Table:
     """The shard's table, read (memory-mapped) from the node-local copy."""
-    path = local_copy(uri, sha256, local_dir)
+    path = local_copy(uri, sha256, local_dir, max_bytes)
+    for _ in range(2):
+        try:
+            return pq.read_table(path, columns=columns, memory_map=True)
+        except FileNotFoundError:
+            # Another process evicted the copy between the lookup and the open (a budget that holds fewer
+            # shards than the node reads at once): copy it again.
+            path = local_copy(uri, sha256, local_dir, max_bytes)
     return pq.read_table(path, columns=columns, memory_map=True)
 
 
@@ -149,14 +245,14 @@ class DecodedShard(ShardView):
         return int(self.pixels_flat.nbytes)
 
 
-def parquet_shard(uri: str, sha256: str, fmt: str, local_dir: str) -> ParquetShard:
+def parquet_shard(uri: str, sha256: str, fmt: str, local_dir: str, max_bytes: int = 0) -> ParquetShard:
     key = f"pq:{sha256}"
     view = _OPEN.get(key)
     if view is not None:
         _OPEN.move_to_end(key)
         STATS["memory_hits"] += 1
         return view
-    view = ParquetShard(open_table(uri, sha256, local_dir, COLUMNS), fmt)
+    view = ParquetShard(open_table(uri, sha256, local_dir, COLUMNS, max_bytes), fmt)
     STATS["parquet_reads"] += 1
     _remember(key, view)
     return view
@@ -182,9 +278,9 @@ def _remember(key: str, view: Any) -> None:
         _OPEN.popitem(last=False)
 
 
-def decode_shard(uri: str, sha256: str, fmt: str, local_dir: str) -> DecodedShard:
+def decode_shard(uri: str, sha256: str, fmt: str, local_dir: str, max_bytes: int = 0) -> DecodedShard:
     """Every row of a shard decoded to uint8 HWC, in row order (same pixels the Parquet path yields)."""
-    view = ParquetShard(open_table(uri, sha256, local_dir, COLUMNS), fmt)
+    view = ParquetShard(open_table(uri, sha256, local_dir, COLUMNS, max_bytes), fmt)
     parts = [np.ascontiguousarray(view.pixels(r)).reshape(-1) for r in range(len(view))]
     sizes = np.array([0] + [p.size for p in parts], dtype=np.int64)
     flat = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
@@ -201,7 +297,7 @@ def decoded_bytes(uris: list[str]) -> int:
 
 
 def materialize(uris: list[str], sha256s: list[str], fmt: str, local_dir: str, num_cpus: float = 0.5,
-                pending: list | None = None) -> list:
+                pending: list | None = None, max_bytes: int = 0) -> list:
     """Decode every shard of a tier into the object store, one task per shard; returns the refs in shard
     order once all are ready (a bad shard fails here, at start, not in the middle of an epoch). The refs
     are owned by the caller (the run's driver): they live as long as it holds them.
@@ -212,7 +308,7 @@ def materialize(uris: list[str], sha256s: list[str], fmt: str, local_dir: str, n
     import ray
 
     task = ray.remote(num_cpus=num_cpus, max_retries=2, num_returns=2)(_decode_task)
-    pairs = [task.remote(u, s, fmt, local_dir) for u, s in zip(uris, sha256s)]
+    pairs = [task.remote(u, s, fmt, local_dir, max_bytes) for u, s in zip(uris, sha256s)]
     if pending is not None:
         pending.extend(size for _, size in pairs)
     else:
@@ -220,6 +316,6 @@ def materialize(uris: list[str], sha256s: list[str], fmt: str, local_dir: str, n
     return [ref for ref, _ in pairs]
 
 
-def _decode_task(uri: str, sha256: str, fmt: str, local_dir: str) -> tuple[DecodedShard, int]:
-    shard = decode_shard(uri, sha256, fmt, local_dir)
+def _decode_task(uri: str, sha256: str, fmt: str, local_dir: str, max_bytes: int = 0) -> tuple[DecodedShard, int]:
+    shard = decode_shard(uri, sha256, fmt, local_dir, max_bytes)
     return shard, shard.nbytes

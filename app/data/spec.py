@@ -33,21 +33,24 @@ class TierShards:
     def level(self) -> str:
         return "object_store" if self.refs is not None else "local_disk"
 
-    def shard(self, index: int, local_dir: str) -> shard_cache.ShardView:
+    def shard(self, index: int, local_dir: str, max_bytes: int = 0) -> shard_cache.ShardView:
+        """Shard ``index`` at this tier; ``max_bytes`` > 0 bounds the node-local copies (see shard_cache)."""
         if self.refs is not None:
             return shard_cache.object_store_shard(self.refs[index])
-        return shard_cache.parquet_shard(self.uris[index], self.sha256[index], self.fmt, local_dir)
+        return shard_cache.parquet_shard(self.uris[index], self.sha256[index], self.fmt, local_dir, max_bytes)
 
-    def images(self, local_dir: str, shard_idx: np.ndarray, rows: np.ndarray) -> Iterator[tuple[Image.Image, int, int]]:
+    def images(self, local_dir: str, shard_idx: np.ndarray, rows: np.ndarray,
+               max_bytes: int = 0) -> Iterator[tuple[Image.Image, int, int]]:
         """(PIL image, label, sample id) for (shard, row) pairs, in the given order."""
         for s, r in zip(shard_idx.tolist(), rows.tolist()):
-            view = self.shard(s, local_dir)
+            view = self.shard(s, local_dir, max_bytes)
             yield view.image(r), int(view.labels[r]), int(view.ids[r])
 
-    def arrays(self, local_dir: str, shard_idx: np.ndarray, rows: np.ndarray) -> Iterator[tuple[np.ndarray, int, int]]:
+    def arrays(self, local_dir: str, shard_idx: np.ndarray, rows: np.ndarray,
+               max_bytes: int = 0) -> Iterator[tuple[np.ndarray, int, int]]:
         """(HWC uint8 pixels, label, sample id) for (shard, row) pairs; a view without a copy for raw tiers."""
         for s, r in zip(shard_idx.tolist(), rows.tolist()):
-            view = self.shard(s, local_dir)
+            view = self.shard(s, local_dir, max_bytes)
             yield view.pixels(r), int(view.labels[r]), int(view.ids[r])
 
 
@@ -78,6 +81,7 @@ class IngestSpec:
     eval_resolution: int
     val_crop_ratio: float
     map_cpus: float = MAP_CPUS
+    local_max_bytes: int = 0  # disk budget of the node-local shard copies (data.local_cache_max_gb); 0 = none
     map_concurrency: int | None = None  # tasks in flight, all ranks together; None = Ray Data's default
     prefetch_batches: int = 2
     augment_on: str = "cpu"  # resolved data.augment_on: where training crops run ("cpu" | "device")

@@ -117,7 +117,8 @@ def build_ingest_spec(cfg: Config, manifest) -> tuple[IngestSpec, Schedule]:
                       val=tier_shards(manifest, "val", _val_tier_want(cfg, eval_resolution(cfg))),
                       eval_resolution=eval_resolution(cfg), val_crop_ratio=cfg.data.val_crop_ratio,
                       map_concurrency=cfg.data.preprocess_concurrency or None,
-                      prefetch_batches=cfg.data.prefetch_batches)
+                      prefetch_batches=cfg.data.prefetch_batches,
+                      local_max_bytes=int(cfg.data.local_cache_max_gb * 2**30))
     # Rect val plan, object-store cache level and preprocessing autotune: these run Ray tasks, so Ray is up.
     finalize_spec(spec, cfg.data, cfg.worker_range()[1] * cfg.scaling.cpus_per_worker, _use_gpu(cfg))
     if cfg.report.eval_sweep:
