@@ -27,6 +27,7 @@ import yaml
 from ray import tune
 
 from app.config import Config, ConfigError, config_from_dict
+from app.tune.free import FreeTrialResources, PlacementGroupRecorder
 from app.tune.objective import REACHED, Objective, TrialReportCallback
 from app.tune.report import importances, write_search_report
 from app.tune.rungs import TIME_ATTR, make_asha, rung_milestones, stop_rung
@@ -79,7 +80,8 @@ def run_trial(config: dict[str, Any], *, base: dict[str, Any], exp_dir: str, obj
     resume = bool(list_checkpoints(storage.join(exp_dir, trial_id)))
     storage.write_json(storage.join(exp_dir, trial_id, TRIAL_START_FILE),
                        {"start": started, "shared": shared is not None})
-    run_training(cfg, resume=resume, progress=False, callbacks=[TrialReportCallback(Objective(**objective))],
+    callbacks = [TrialReportCallback(Objective(**objective)), PlacementGroupRecorder(storage.join(exp_dir, trial_id))]
+    run_training(cfg, resume=resume, progress=False, callbacks=callbacks,
                  manifest=shared.manifest if shared else None, shared_tiers=shared.tier_refs if shared else None)
 
 
@@ -314,10 +316,12 @@ def _tuner(trial_base: Config, sp: SearchSpace, exp_dir: pathlib.Path, storage: 
         tune_config=tune.TuneConfig(num_samples=sp.trials, max_concurrent_trials=k,
                                     search_alg=_searcher(sp, exp_dir), scheduler=_scheduler(sp, rungs),
                                     trial_dirname_creator=trial_dirname,
-                                    time_budget_s=sp.budget_total_s or None),
+                                    # No actor reuse: Tune errors a trial whose predecessor's thread is still
+                                    # unwinding its Train run instead of starting a fresh process.
+                                    time_budget_s=sp.budget_total_s or None, reuse_actors=False),
         run_config=tune.RunConfig(name=exp_dir.name, storage_path=storage, stop=_stop(sp),
                                   failure_config=tune.FailureConfig(max_failures=0), verbose=verbose,
-                                  callbacks=[ConsoleLines(sp.tune_metric)]),
+                                  callbacks=[ConsoleLines(sp.tune_metric), FreeTrialResources(str(exp_dir))]),
     )
 
 
