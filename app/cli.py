@@ -108,8 +108,12 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.report:
         from app.report.markdown import make_report
+        from app.tune.report import is_experiment, write_search_report
 
         print(make_report(args.report))
+        if is_experiment(args.report):  # a tune experiment: importances, parallel coordinates, stop rungs
+            for path in write_search_report(args.report).values():
+                print(path)
         return 0
     try:
         cfg = config_from_args(args, rest)

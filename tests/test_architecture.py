@@ -18,7 +18,7 @@ ALLOWED = {
     "report": {"config", "storage", "provenance"},
     "train": {"config", "storage", "provenance", "startup", "schedule", "data", "report"},
     "inference": {"config", "storage", "data", "train"},
-    "tune": {"config", "storage", "data", "report", "train"},
+    "tune": {"config", "storage", "startup", "schedule", "data", "report", "train"},
 }
 
 

@@ -81,6 +81,27 @@ def test_search_runs_trials_stops_weak_ones_and_writes_a_runnable_best_recipe(tm
         assert 1e-4 <= t["params"]["optim.lr_per_256"] <= 2.0
     best = min(trials, key=lambda t: t["metric"])
     assert result["best"]["trial_id"] == best["trial_id"]
+    # ASHA compared at the rung in samples seen (epoch 1 of 2: 128 // 32 * 32 samples); stopped ones say so.
+    assert result["rungs"]["samples"] == [128]
+    for t in trials:
+        assert t["stop_rung"] == 1 and t["samples_seen"] in (128, 256)
+        assert (t["samples_seen"] == 128) == (t["state"] == "EARLY_STOPPED")
+    # Every trial's start-up is broken down to its first step, and the data work was shared.
+    for t in trials:
+        ph = t["startup"]["phases_s"]
+        assert t["startup"]["shared"] and t["startup"]["first_step_s"] > 0
+        assert {"worker_group_start", "first_batch", "materialisation", "data_prepare"} <= set(ph)
+        events = [json.loads(line) for line in (pathlib.Path(t["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        cache = [e for e in events if e.get("unit") == "data_cache" and e.get("served")]
+        assert cache and all(e.get("shared") for e in cache), cache
+    assert result["startup"]["trials"] == 4
+    assert (exp / "report" / "parallel_coordinates.png").is_file() and (exp / "report" / "search.md").is_file()
+    # Stopped and finished trials have let go of their CPUs: the cluster is whole again.
+    total = ray.cluster_resources()["CPU"]
+    deadline = time.time() + 60
+    while ray.available_resources().get("CPU", 0) < total - 1e-6:
+        assert time.time() < deadline, (ray.available_resources(), total)
+        time.sleep(1)
 
     study = optuna.load_study(study_name="exp", storage=f"sqlite:///{exp / 'optuna.db'}")
     assert len(study.trials) == 4 and study.direction == optuna.study.StudyDirection.MINIMIZE
@@ -158,3 +179,24 @@ def test_killed_driver_resumes_with_finished_trials_kept(tmp_path):
     assert (finished[0] / "summary.json").read_bytes() == done_summary
     assert (finished[0] / "metrics.jsonl").read_text().count('"event": "start"') == starts_before
     assert (exp / "best_recipe.yaml").is_file()
+
+
+def test_ended_trial_placement_groups_recorded_by_the_run_are_freed(tmp_path, local_ray):
+    from ray.util.placement_group import placement_group, placement_group_table
+
+    from app.tune.free import PG_FILE, free_placement_groups
+
+    pg = placement_group([{"CPU": 1.0}, {"CPU": 1.0}])
+    ray.get(pg.ready(), timeout=60)
+    assert ray.available_resources()["CPU"] == pytest.approx(4.0)
+    run = tmp_path / "trial"
+    run.mkdir()
+    (run / PG_FILE).write_text(json.dumps([pg.id.hex()]))
+    assert free_placement_groups(str(run)) == 1
+    assert placement_group_table(pg)["state"] == "REMOVED"
+    deadline = time.time() + 30
+    while ray.available_resources().get("CPU", 0) < 6.0:
+        assert time.time() < deadline, ray.available_resources()
+        time.sleep(0.5)
+    assert free_placement_groups(str(run)) == 0  # already gone: nothing to do
+    assert free_placement_groups(str(tmp_path / "no-such-trial")) == 0

@@ -53,7 +53,11 @@ def test_shipped_spaces_parse_into_optuna_distributions(demo_cfg):
     assert {p.key for p in large.params} >= {"optim.lr_per_256", "schedule.warmup_epochs", "global_batch",
                                              "comm.ratio", "optim.label_smoothing", "optim.weight_decay",
                                              "optim.trust_coefficient"}
-    assert large.fixed["optim.name"] == "lars" and large.fixed["comm.mode"] == "topk"
+    # The compression ratio is searched together with whether (and how) to compress at all.
+    assert large.fixed["optim.name"] == "lars"
+    modes = next(p for p in large.params if p.key == "comm.mode")
+    assert {"dense", "topk"} <= set(modes.values)
+    assert large.objective == "time_to_target" and "lr_rule" in {p.key for p in large.params}
 
 
 def test_space_round_trips_through_its_saved_form(demo_cfg):
@@ -212,3 +216,97 @@ def test_space_path_by_bare_name_and_missing_file(demo_cfg, tmp_path):
     with pytest.raises(ConfigError, match="broken.yaml"):
         load_space(str(broken), demo_cfg)
     assert pathlib.Path(SPACES_DIR / "large_batch.yaml").is_file()
+
+
+# --- rungs, LR rule, shared start-up switch, experiment budget ---------------------------------------------
+def test_asha_rungs_sit_at_phase_boundaries_after_the_longest_warmup(demo_cfg):
+    from app.tune.rungs import grace_epochs, rung_epochs, rung_milestones
+
+    # demo_cfg phases end at 4, 8, 10; a 10-epoch budget keeps them; warm-up searched up to 3 epochs.
+    sp = parse_space(space(budget={"epochs": 10}, scheduler={"name": "asha", "reduction_factor": 2},
+                           params={"schedule.warmup_epochs": {"dist": "uniform", "low": 0.5, "high": 3.0}}),
+                     demo_cfg)
+    tb = base_for_trials(demo_cfg, sp)
+    assert grace_epochs(tb, sp) == 3
+    assert rung_epochs(tb, sp) == [4, 8]
+    # A longer possible warm-up moves the first rung past the first boundary.
+    late = parse_space(space(budget={"epochs": 10}, params={"schedule.warmup_epochs": {
+        "dist": "uniform", "low": 0.5, "high": 4.5}}), demo_cfg)
+    assert rung_epochs(base_for_trials(demo_cfg, late), late) == [8]
+    # In samples seen: epoch 4 starts after 4 * (1000 // 256) * 256 samples at the first phase's batch.
+    rungs = rung_milestones(tb, sp, 1000)
+    assert rungs["epochs"] == [4, 8] and rungs["samples"] == [4 * 3 * 256, 4 * 3 * 256 + 4 * 5 * 192]
+
+
+def test_rungs_in_samples_use_the_largest_searched_batch_so_every_trial_reaches_them(demo_cfg):
+    from app.tune.rungs import rung_milestones
+
+    sp = parse_space(space(budget={"epochs": 10}, params={"global_batch": {"dist": "choice", "values": [128, 512]}}),
+                     demo_cfg)
+    tb = base_for_trials(demo_cfg, sp)
+    rungs = rung_milestones(tb, sp, 1000)
+    # batch 512 in phase 0: 1 step of 512 per epoch (the 488 left over are dropped) -> 4 * 512 at epoch 4
+    assert rungs["samples"][0] == 4 * 512
+    # and ASHA's max_t is the most any trial can see (the small batch: 7 steps of 128 per epoch in phase 0)
+    assert rungs["max_samples"] > rungs["samples"][-1]
+
+
+def test_single_phase_schedule_gets_geometric_rungs_from_the_grace_period(demo_cfg):
+    from app.tune.rungs import rung_epochs
+
+    one = {"fixed": {"schedule.phases": [{"until": 1.0, "resolution": 32, "batch_size": 128}]},
+           "budget": {"epochs": 9}, "scheduler": {"name": "asha", "reduction_factor": 2, "grace_period": 0}}
+    sp = parse_space(space(**one), demo_cfg)
+    assert rung_epochs(base_for_trials(demo_cfg, sp), sp) == [1, 2, 4, 8]
+    one["scheduler"]["grace_period"] = 3  # given explicitly: it wins over the recipe's warm-up
+    sp = parse_space(space(**one), demo_cfg)
+    assert rung_epochs(base_for_trials(demo_cfg, sp), sp) == [3, 6]
+
+
+def test_asha_with_sample_rungs_stops_the_weaker_trial_at_the_first_rung(demo_cfg):
+    from ray.tune.schedulers import TrialScheduler
+
+    from app.tune.rungs import make_asha
+
+    sp = parse_space(space(budget={"epochs": 10}), demo_cfg)
+    asha = make_asha(sp, {"epochs": [4, 8], "samples": [3000, 6000], "max_samples": 8000})
+    assert [m for m, _ in asha._brackets[0]._rungs] == [6000, 3000]
+
+    class T:  # Tune's trial only needs an id here
+        def __init__(self, tid):
+            self.trial_id = tid
+
+    good, bad = T("a"), T("b")
+    for t in (good, bad):
+        asha.on_trial_add(None, t)
+    assert asha.on_trial_result(None, good, {"samples_seen": 1000, "val_top1": 0.1}) == TrialScheduler.CONTINUE
+    assert asha.on_trial_result(None, good, {"samples_seen": 3072, "val_top1": 0.5}) == TrialScheduler.CONTINUE
+    assert asha.on_trial_result(None, bad, {"samples_seen": 3072, "val_top1": 0.2}) == TrialScheduler.STOP
+
+
+def test_lr_rule_sqrt_scales_lr_by_the_root_of_the_batch(demo_cfg):
+    sp = parse_space(space(params={"global_batch": {"dist": "choice", "values": [256, 1024]},
+                                   "lr_rule": {"dist": "choice", "values": ["linear", "sqrt"]}}), demo_cfg)
+    tb = base_for_trials(demo_cfg, sp)
+    lin = apply_params(tb, {"global_batch": 1024, "lr_rule": "linear", "optim.lr_per_256": 0.4})
+    sq = apply_params(tb, {"global_batch": 1024, "lr_rule": "sqrt", "optim.lr_per_256": 0.4})
+    assert lin.optim.lr_per_256 == pytest.approx(0.4)
+    # peak LR: linear 0.4 * 1024/256 = 1.6; sqrt 0.4 * sqrt(1024/256) = 0.8
+    assert sq.optim.lr_per_256 * 1024 / 256 == pytest.approx(0.8)
+    with pytest.raises(ConfigError, match="lr_rule"):
+        parse_space(space(params={"lr_rule": {"dist": "choice", "values": ["cubic"]}}), demo_cfg)
+    with pytest.raises(ConfigError, match="fixed.lr_rule"):
+        parse_space(space(fixed={"lr_rule": "sqrt"}), demo_cfg)
+
+
+def test_share_startup_switch_and_total_time_budget_parse_and_round_trip(demo_cfg):
+    sp = parse_space(space(), demo_cfg)
+    assert sp.share_startup is True and sp.budget_total_s == 0.0 and sp.grace_period == 0
+    off = parse_space(space(share_startup=False, budget={"epochs": 2, "total_time_s": 120}), demo_cfg)
+    assert off.share_startup is False and off.budget_total_s == 120.0
+    again = parse_space(yaml.safe_load(yaml.safe_dump(off.to_dict())), demo_cfg, "saved")
+    assert again.to_dict() == off.to_dict()
+    with pytest.raises(ConfigError, match="share_startup"):
+        parse_space(space(share_startup="yes"), demo_cfg)
+    with pytest.raises(ConfigError, match="total_time_s"):
+        parse_space(space(budget={"total_time_s": -1}), demo_cfg)

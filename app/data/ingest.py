@@ -187,10 +187,18 @@ def plan_rect_validation(spec: IngestSpec, batch_size: int) -> None:
                batches=len(batches), shapes=len(shapes))
 
 
-def materialize_tiers(spec: IngestSpec, budget_mb: float, num_cpus: float = 0.5, pending: list | None = None) -> None:
+def tier_key(sha256: list[str]) -> str:
+    """A stored tier's identity: its shards' sha256 in order (the same bytes decode to the same pixels)."""
+    return ",".join(sha256)
+
+
+def materialize_tiers(spec: IngestSpec, budget_mb: float, num_cpus: float = 0.5, pending: list | None = None,
+                      shared: dict[str, list] | None = None) -> None:
     """Put the tiers that fit ``budget_mb`` decoded into the object store (smallest first, so the most
     tiers fit), and record which level serves each phase and validation. With ``pending`` (a list) the
-    decode is started, not waited for (see :func:`shard_cache.materialize`)."""
+    decode is started, not waited for (see :func:`shard_cache.materialize`). ``shared`` maps
+    :func:`tier_key` to refs decoded once for several runs (a search's trials): those tiers are not decoded
+    again."""
     users: dict[tuple, list[tuple[str, TierShards]]] = {}
     for ph in spec.phases:
         users.setdefault(tuple(ph.shards.sha256), []).append((f"phase {ph.index} ({ph.resolution}px)", ph.shards))
@@ -207,6 +215,14 @@ def materialize_tiers(spec: IngestSpec, budget_mb: float, num_cpus: float = 0.5,
         tier = group[0][1]
         mb = sizes[key] / 2**20
         if not tier.uris:
+            continue
+        if shared and tier_key(tier.sha256) in shared:
+            for _, t in group:
+                t.refs = shared[tier_key(tier.sha256)]
+            for name, _ in group:
+                spec.event("data_cache", f"{name} reads object store: tier {tier.tier} decoded once for every run "
+                                         f"that shares it ({mb:.1f} MB, {len(tier.uris)} shards)",
+                           level="object_store", tier=tier.tier, decoded_mb=round(mb, 2), served=name, shared=True)
             continue
         if sizes[key] <= left:
             t0 = time.perf_counter()
@@ -309,10 +325,12 @@ def plan_augmentation(spec: IngestSpec, augment_on: str, workers_use_cuda: bool)
                    canvas=list(ph.canvas) if ph.device_augment else None)
 
 
-def finalize_spec(spec: IngestSpec, data: Any, train_cpus: float, workers_use_cuda: bool = False) -> None:
+def finalize_spec(spec: IngestSpec, data: Any, train_cpus: float, workers_use_cuda: bool = False,
+                  shared_tiers: dict[str, list] | None = None) -> None:
     """The start-up steps that need the cluster, in order: where augmentation runs, rect validation plan,
     object-store level, preprocessing calibration (last, so it times the level that will really serve).
-    ``data`` is the config's DataConfig; ``train_cpus`` what the Train workers reserve."""
+    ``data`` is the config's DataConfig; ``train_cpus`` what the Train workers reserve; ``shared_tiers``
+    tiers already decoded for several runs (see :func:`materialize_tiers`)."""
     from app import startup
 
     spec.block_rows = data.block_rows or BLOCK_ROWS
@@ -324,7 +342,7 @@ def finalize_spec(spec: IngestSpec, data: Any, train_cpus: float, workers_use_cu
     # time the level that will serve, waits for it.
     pending: list = []
     with startup.phase("materialisation"):
-        materialize_tiers(spec, data.memory_budget_mb, data.prepare_cpus_per_task, pending)
+        materialize_tiers(spec, data.memory_budget_mb, data.prepare_cpus_per_task, pending, shared_tiers)
     with startup.phase("calibration"):
         autotune.apply(spec, concurrency=data.preprocess_concurrency, cpus=data.preprocess_cpus,
                        block_rows=data.block_rows, seconds=data.autotune_seconds, train_cpus=train_cpus,

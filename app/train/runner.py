@@ -106,7 +106,8 @@ def eval_resolution(cfg: Config) -> int:
     return default_eval_resolution(cfg.schedule)
 
 
-def build_ingest_spec(cfg: Config, manifest) -> tuple[IngestSpec, Schedule]:
+def build_ingest_spec(cfg: Config, manifest, shared_tiers: dict[str, list] | None = None
+                      ) -> tuple[IngestSpec, Schedule]:
     train_size = manifest.num_samples("train")
     sched = Schedule(cfg.schedule, cfg.optim, train_size)
     phases = [PhaseSpec(i, ph.resolution, ph.batch_size, ph.min_scale, ph.first_epoch, ph.end_epoch,
@@ -120,7 +121,7 @@ def build_ingest_spec(cfg: Config, manifest) -> tuple[IngestSpec, Schedule]:
                       prefetch_batches=cfg.data.prefetch_batches,
                       local_max_bytes=int(cfg.data.local_cache_max_gb * 2**30))
     # Rect val plan, object-store cache level and preprocessing autotune: these run Ray tasks, so Ray is up.
-    finalize_spec(spec, cfg.data, cfg.worker_range()[1] * cfg.scaling.cpus_per_worker, _use_gpu(cfg))
+    finalize_spec(spec, cfg.data, cfg.worker_range()[1] * cfg.scaling.cpus_per_worker, _use_gpu(cfg), shared_tiers)
     if cfg.report.eval_sweep:
         tiers = {r: tier_shards(manifest, "val", _val_tier_want(cfg, r)) for r in cfg.report.eval_sweep}
         add_eval_sweep(spec, cfg.report.eval_sweep,
@@ -152,11 +153,14 @@ def _limit_data_resources(train_cpus: float) -> None:
 
 
 def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, verbose: bool = False,
-                 stream=None, callbacks: list | None = None) -> dict[str, Any]:
+                 stream=None, callbacks: list | None = None, manifest: str | None = None,
+                 shared_tiers: dict[str, list] | None = None) -> dict[str, Any]:
     """Run (or with ``resume``, continue) one training run; returns the summary written to summary.json.
 
-    ``callbacks`` are Ray Train ``UserCallback``s (the tuner passes ``TuneReportCallback``). A second driver
-    on a run that a live driver holds raises RunLockedError (a FileExistsError: exit status 2)."""
+    ``callbacks`` are Ray Train ``UserCallback``s (the tuner passes ``TuneReportCallback``). ``manifest``
+    (a prepared manifest's location) and ``shared_tiers`` (decoded tiers by ``tier_key``) let several runs
+    share one prepare and one object-store copy (a search's trials). A second driver on a run that a live
+    driver holds raises RunLockedError (a FileExistsError: exit status 2)."""
     from app.train.run_lock import RunLock
 
     # The worker code (torch, torchvision, torch._dynamo) is imported first, while the working directory
@@ -168,11 +172,11 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
     # Before anything else touches the run folder: a second driver must not even check its checkpoints.
     with RunLock(join(cfg.storage, cfg.name)):
         return _run_locked(cfg, resume=resume, progress=progress, verbose=verbose, stream=stream,
-                           callbacks=callbacks)
+                           callbacks=callbacks, manifest_at=manifest, shared_tiers=shared_tiers)
 
 
-def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, stream, callbacks: list | None
-                ) -> dict[str, Any]:
+def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, stream, callbacks: list | None,
+                manifest_at: str | None = None, shared_tiers: dict[str, list] | None = None) -> dict[str, Any]:
     from app.data.manifest import Manifest
     from app.data.prepare import prepare_main
     from app.report.runlog import start_runlog
@@ -191,8 +195,8 @@ def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, str
         use_gpu = _use_gpu(cfg)
         waiting = _check_placement(cfg, use_gpu, started_here, stream or sys.stdout)
         with startup.phase("data_prepare"):
-            manifest = Manifest.load(str(prepare_main(cfg)))
-        spec, sched = build_ingest_spec(cfg, manifest)
+            manifest = Manifest.load(manifest_at or str(prepare_main(cfg)))
+        spec, sched = build_ingest_spec(cfg, manifest, shared_tiers)
         setup_start = time.time()
         _write_run_files(cfg, run_dir, manifest, spec)
         _announce_schedule(sched, run_dir, eval_resolution(cfg), stream=(stream or sys.stdout) if progress else None)

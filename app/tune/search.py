@@ -27,7 +27,11 @@ import yaml
 from ray import tune
 
 from app.config import Config, ConfigError, config_from_dict
+from app.tune.free import FreeTrialResources, PlacementGroupRecorder
 from app.tune.objective import REACHED, Objective, TrialReportCallback
+from app.tune.report import importances, write_search_report
+from app.tune.rungs import TIME_ATTR, make_asha, rung_milestones, stop_rung
+from app.tune.shared import SharedStart, build_shared
 from app.tune.space import (
     SearchSpace,
     apply_params,
@@ -37,6 +41,8 @@ from app.tune.space import (
     parse_space,
     resolve_space_path,
 )
+from app.tune.trial_startup import TRIAL_START_FILE, trial_startup
+from app.tune.trial_startup import summarize as summarize_startup
 
 log = logging.getLogger("lightray.tune")
 
@@ -58,18 +64,25 @@ def trial_dirname(trial) -> str:
     return f"tune_{trial.trial_id}"
 
 
-def run_trial(config: dict[str, Any], *, base: dict[str, Any], exp_dir: str, objective: dict[str, Any]) -> None:
-    """Tune trial function: one lightray run with the sampled values, reporting through the callback."""
+def run_trial(config: dict[str, Any], *, base: dict[str, Any], exp_dir: str, objective: dict[str, Any],
+              shared: SharedStart | None = None) -> None:
+    """Tune trial function: one lightray run with the sampled values, reporting through the callback.
+    With ``shared`` the run skips the prepare, the decode and the calibration the experiment did once."""
     from app import storage
     from app.train.runner import run_training
     from app.train.state import list_checkpoints
 
+    started = time.time()  # the trial's clock for its start-up breakdown (the actor process may be older)
     trial_id = tune.get_context().get_trial_id()
-    cfg = apply_params(config_from_dict(base), config)
+    cfg = apply_params(config_from_dict(base), {**(shared.preprocess if shared else {}), **config})
     cfg.storage, cfg.name = exp_dir, trial_id
     # A trial restarted by Tuner.restore finds its earlier checkpoints and continues from them.
     resume = bool(list_checkpoints(storage.join(exp_dir, trial_id)))
-    run_training(cfg, resume=resume, progress=False, callbacks=[TrialReportCallback(Objective(**objective))])
+    storage.write_json(storage.join(exp_dir, trial_id, TRIAL_START_FILE),
+                       {"start": started, "shared": shared is not None})
+    callbacks = [TrialReportCallback(Objective(**objective)), PlacementGroupRecorder(storage.join(exp_dir, trial_id))]
+    run_training(cfg, resume=resume, progress=False, callbacks=callbacks,
+                 manifest=shared.manifest if shared else None, shared_tiers=shared.tier_refs if shared else None)
 
 
 # --- sizing -----------------------------------------------------------------------------------------------
@@ -181,15 +194,12 @@ def _searcher(space: SearchSpace, exp_dir: pathlib.Path):
                         sampler=sampler, study_name=exp_dir.name, storage=_study_storage(space, exp_dir))
 
 
-def _scheduler(space: SearchSpace):
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+def _scheduler(space: SearchSpace, rungs: dict[str, Any]):
+    from ray.tune.schedulers import FIFOScheduler
 
     if space.scheduler == "fifo":
         return FIFOScheduler()
-    # Rungs are in epochs (every validated report carries "epoch" = epochs finished).
-    return ASHAScheduler(time_attr="epoch", metric=space.tune_metric, mode=space.tune_mode,
-                         max_t=space.budget_epochs, grace_period=space.grace_period,
-                         reduction_factor=space.reduction_factor, brackets=space.brackets)
+    return make_asha(space, rungs)  # rungs in samples seen, at phase boundaries (app.tune.rungs)
 
 
 def _stop(space: SearchSpace) -> dict[str, float] | None:
@@ -210,10 +220,20 @@ def run_search(cfg: Config, space: str | None = None, trials: int | None = None,
     _apply_counts(sp, trials, concurrent, resume, out)
     trial_base = base_for_trials(base, sp)
     _save_experiment(exp_dir, base, sp, resume)
-    k = _start_cluster(cfg, trial_base, sp, exp_dir, out)
+    k, manifest = _start_cluster(cfg, trial_base, sp, exp_dir, out)
     t0 = time.time()
-    grid = _tuner(trial_base, sp, exp_dir, storage, k, resume, verbose, out).fit()
-    return _finish(grid, sp, exp_dir, trial_base, t0, out)
+    shared = None
+    if sp.share_startup:
+        shared = build_shared(trial_base)
+        print(shared.describe() + f" ({time.time() - t0:.1f} s)", file=out, flush=True)
+    shared_s = time.time() - t0
+    rungs = rung_milestones(trial_base, sp, manifest.num_samples("train"))
+    if sp.scheduler == "asha":
+        print(f"  ASHA rungs at epochs {rungs['epochs']} = samples seen {rungs['samples']}", file=out, flush=True)
+    grid = _tuner(trial_base, sp, exp_dir, storage, k, resume, verbose, out, shared, rungs).fit()
+    result = _finish(grid, sp, exp_dir, trial_base, t0, out, rungs)
+    result["shared_build_s"] = round(shared_s, 2)  # once per experiment, before the first trial
+    return result
 
 
 def _load_experiment(cfg: Config, space: str | None, exp_dir: pathlib.Path, storage: str,
@@ -258,12 +278,13 @@ def _save_experiment(exp_dir: pathlib.Path, base: Config, sp: SearchSpace, resum
                                           + yaml.safe_dump(sp.to_dict(), sort_keys=False))
 
 
-def _start_cluster(cfg: Config, trial_base: Config, sp: SearchSpace, exp_dir: pathlib.Path, out: TextIO) -> int:
+def _start_cluster(cfg: Config, trial_base: Config, sp: SearchSpace, exp_dir: pathlib.Path, out: TextIO):
     """Connect to Ray, size the concurrency to the cluster, print the plan and prepare the shard cache.
 
-    Returns how many trials run at once."""
+    Returns how many trials run at once and the prepared manifest."""
     import ray
 
+    from app.data.manifest import Manifest
     from app.data.prepare import prepare_main
     from app.train.runner import connect_ray
 
@@ -273,16 +294,17 @@ def _start_cluster(cfg: Config, trial_base: Config, sp: SearchSpace, exp_dir: pa
           f"{sp.searcher} + {sp.scheduler} on {sp.tune_metric} ({sp.tune_mode})\n{describe(sp)}", file=out, flush=True)
     if note:
         print(f"  note: {note}", file=out, flush=True)
-    prepare_main(trial_base)  # once here, so that concurrent trials all find the shard cache ready
-    return k
+    # Once here, so that concurrent trials all find the shard cache ready (and the rungs know the data size).
+    return k, Manifest.load(str(prepare_main(trial_base)))
 
 
 def _tuner(trial_base: Config, sp: SearchSpace, exp_dir: pathlib.Path, storage: str, k: int, resume: bool,
-           verbose: int, out: TextIO) -> tune.Tuner:
+           verbose: int, out: TextIO, shared: SharedStart | None, rungs: dict[str, Any]) -> tune.Tuner:
     """A new Tuner, or on ``resume`` the experiment's own restored from its folder."""
     objective = {"kind": sp.objective, "metric": sp.metric, "target": sp.target}
     trainable = tune.with_resources(
-        tune.with_parameters(run_trial, base=trial_base.to_dict(), exp_dir=str(exp_dir), objective=objective),
+        tune.with_parameters(run_trial, base=trial_base.to_dict(), exp_dir=str(exp_dir), objective=objective,
+                             shared=shared),
         tune.PlacementGroupFactory(trial_bundles(trial_base)))
     if resume and tune.Tuner.can_restore(str(exp_dir)):
         print("  resuming: finished trials are kept, unfinished ones restart from their checkpoints",
@@ -292,19 +314,24 @@ def _tuner(trial_base: Config, sp: SearchSpace, exp_dir: pathlib.Path, storage: 
     return tune.Tuner(
         trainable,
         tune_config=tune.TuneConfig(num_samples=sp.trials, max_concurrent_trials=k,
-                                    search_alg=_searcher(sp, exp_dir), scheduler=_scheduler(sp),
-                                    trial_dirname_creator=trial_dirname),
+                                    search_alg=_searcher(sp, exp_dir), scheduler=_scheduler(sp, rungs),
+                                    trial_dirname_creator=trial_dirname,
+                                    # No actor reuse: Tune errors a trial whose predecessor's thread is still
+                                    # unwinding its Train run instead of starting a fresh process.
+                                    time_budget_s=sp.budget_total_s or None, reuse_actors=False),
         run_config=tune.RunConfig(name=exp_dir.name, storage_path=storage, stop=_stop(sp),
                                   failure_config=tune.FailureConfig(max_failures=0), verbose=verbose,
-                                  callbacks=[ConsoleLines(sp.tune_metric)]),
+                                  callbacks=[ConsoleLines(sp.tune_metric), FreeTrialResources(str(exp_dir))]),
     )
 
 
 def _finish(grid, sp: SearchSpace, exp_dir: pathlib.Path, trial_base: Config, t0: float,
-            out: TextIO) -> dict[str, Any]:
+            out: TextIO, rungs: dict[str, Any]) -> dict[str, Any]:
     """Collect the trials, write the outputs and print the table, the best trial and where things are."""
-    records = collect_trials(grid, sp, exp_dir)
+    records = collect_trials(grid, sp, exp_dir, rungs)
     result = write_outputs(exp_dir, sp, trial_base, records)
+    result["startup"] = summarize_startup(records)
+    result["rungs"] = rungs
     result["wall_s"] = time.time() - t0
     print(format_table(records, sp), file=out)
     best = result["best"]
@@ -330,8 +357,11 @@ def _trial_state(res, sp: SearchSpace, metrics: dict[str, Any]) -> str:
     return "COMPLETED"
 
 
-def collect_trials(grid, sp: SearchSpace, exp_dir: pathlib.Path) -> list[dict[str, Any]]:
-    """One record per trial: {trial_id, params, metric, time_s, state, run_dir, epochs}."""
+def collect_trials(grid, sp: SearchSpace, exp_dir: pathlib.Path,
+                   rungs: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One record per trial: {trial_id, params, metric, time_s, state, run_dir, epochs, samples_seen,
+    stop_rung, start, startup}."""
+    milestones = (rungs or {}).get("samples", []) if sp.scheduler == "asha" else []
     names = {p.key for p in sp.params}
     records = []
     for res in grid:
@@ -348,8 +378,19 @@ def collect_trials(grid, sp: SearchSpace, exp_dir: pathlib.Path) -> list[dict[st
             "epochs": metrics.get("epoch", 0),
             "val_top1": metrics.get("val_top1"),
             "error": None if res.error is None else str(res.error).splitlines()[0][:300],
+            "samples_seen": metrics.get(TIME_ATTR),
+            "stop_rung": stop_rung(metrics.get(TIME_ATTR), milestones),
+            "start": _trial_start(exp_dir / tid),
+            "startup": trial_startup(str(exp_dir / tid)),
         })
     return records  # Tune's order: the order the searcher proposed them
+
+
+def _trial_start(run_dir: pathlib.Path) -> float | None:
+    try:
+        return float(json.loads((run_dir / TRIAL_START_FILE).read_text())["start"])
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def best_trial(records: list[dict[str, Any]], sp: SearchSpace) -> dict[str, Any] | None:
@@ -368,6 +409,11 @@ def write_outputs(exp_dir: pathlib.Path, sp: SearchSpace, trial_base: Config,
     if best is not None:
         out["best_recipe"] = str(write_best_recipe(exp_dir / BEST_FILE, trial_base, best, sp))
     out["plot"] = str(plot_search(exp_dir / PLOT_FILE, records, sp, exp_dir))
+    try:
+        out["search_report"] = write_search_report(exp_dir)
+    except Exception as exc:  # the search's own outputs stand without the drawings
+        log.warning("search report failed: %s", exc)
+        out["search_report"] = None
     try:
         from app.report.markdown import make_report
 
@@ -392,24 +438,6 @@ def write_best_recipe(path: pathlib.Path, trial_base: Config, best: dict[str, An
     return path
 
 
-def _importances(exp_dir: pathlib.Path, sp: SearchSpace) -> dict[str, float]:
-    """Optuna's parameter importances for the study, or {} when it cannot give them (too few trials)."""
-    import optuna
-
-    try:
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
-        study = optuna.load_study(study_name=exp_dir.name, storage=_study_storage(sp, exp_dir))
-        done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
-        if len(done) < 2 or len(sp.params) < 1:
-            return {}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return dict(optuna.importance.get_param_importances(study))
-    except Exception as exc:  # importance needs variation in the finished trials; the plot does without it
-        log.info("parameter importance not available: %s", exc)
-        return {}
-
-
 def plot_search(path: pathlib.Path, records: list[dict[str, Any]], sp: SearchSpace,
                 exp_dir: pathlib.Path) -> pathlib.Path:
     """Left: each trial's metric in trial order and the best so far. Right: Optuna parameter importance."""
@@ -418,7 +446,7 @@ def plot_search(path: pathlib.Path, records: list[dict[str, Any]], sp: SearchSpa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    imp = _importances(exp_dir, sp)
+    imp = importances(exp_dir, sp)
     fig, axes = plt.subplots(1, 2 if imp else 1, figsize=(12 if imp else 7, 4.5), squeeze=False)
     ax = axes[0][0]
     xs = [i for i, r in enumerate(records) if r["metric"] is not None]

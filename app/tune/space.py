@@ -8,8 +8,10 @@ A space file (all keys but ``params`` optional)::
     target: 0.5                # time_to_target only: the top-1 to reach
     trials: 8                  # --trials overrides
     concurrent: 2              # --concurrent overrides
-    budget: {epochs: 3, time_s: 0}     # per trial: schedule.epochs, optional wall-clock cap (0 = none)
-    scheduler: {name: asha, grace_period: 1, reduction_factor: 2, brackets: 1}   # asha | fifo
+    budget: {epochs: 3, time_s: 0, total_time_s: 0}   # per trial: schedule.epochs, optional wall-clock cap
+                               # (0 = none); total_time_s: the whole search's wall-clock budget (0 = none)
+    scheduler: {name: asha, grace_period: 0, reduction_factor: 2, brackets: 1}   # asha | fifo
+    share_startup: true        # prepare, decoded tiers and calibration once per experiment (false: per trial)
     searcher: {name: tpe, seed: 0, n_startup_trials: 4, multivariate: true}     # tpe | random
     study_storage: ""          # optuna database URL; "" = sqlite file optuna.db in the experiment folder
     fixed: {data.limit_train: 1024}    # dotted config keys set in every trial
@@ -19,7 +21,10 @@ A space file (all keys but ``params`` optional)::
       optim.label_smoothing: {dist: choice, values: [0.0, 0.1]}
       global_batch: {dist: choice, values: [128, 256, 512]}
 
-``global_batch`` is the one key that is not a config key: it is the global batch size of the FIRST
+``lr_rule`` (searched only: ``{dist: choice, values: [linear, sqrt]}``) says how the LR follows the global
+batch: ``linear`` (the recipes' rule) or ``sqrt`` (see ``apply_lr_rule``).
+
+``global_batch`` is not a config key either: it is the global batch size of the FIRST
 phase, and every phase's ``batch_size`` is multiplied by the same factor (global_batch / first phase's
 batch_size, rounded, at least 1), so a recipe's dynamic-batch shape (batch shrinking as the images
 grow) is kept while the whole run moves to a larger batch. The learning rate follows on its own
@@ -44,6 +49,8 @@ import yaml
 from app.config import Config, ConfigError, coerce_scalar, config_from_dict, key_type, set_dotted
 
 GLOBAL_BATCH = "global_batch"
+LR_RULE = "lr_rule"
+LR_RULES = ("linear", "sqrt")
 DISTS = ("loguniform", "uniform", "int", "choice")
 OBJECTIVES = ("max_metric", "time_to_target")
 SCHEDULERS = ("asha", "fifo")
@@ -51,7 +58,7 @@ SEARCHERS = ("tpe", "random")
 TIME_METRIC = "time_to_target_s"
 SPACES_DIR = pathlib.Path(__file__).resolve().parents[2] / "tune_spaces"
 TOP_KEYS = ("objective", "metric", "mode", "target", "trials", "concurrent", "budget", "scheduler", "searcher",
-            "study_storage", "fixed", "params")
+            "study_storage", "share_startup", "fixed", "params")
 
 
 @dataclass
@@ -99,8 +106,9 @@ class SearchSpace:
     concurrent: int = 2
     budget_epochs: int = 0  # 0 = the recipe's schedule.epochs
     budget_time_s: float = 0.0
+    budget_total_s: float = 0.0  # the experiment's wall-clock budget (Tune's time_budget_s); 0 = none
     scheduler: str = "asha"
-    grace_period: int = 1
+    grace_period: int = 0  # epochs; 0 = from the recipe (see app.tune.rungs)
     reduction_factor: float = 2.0
     brackets: int = 1
     searcher: str = "tpe"
@@ -108,6 +116,7 @@ class SearchSpace:
     n_startup_trials: int = 4
     multivariate: bool = True
     study_storage: str = ""
+    share_startup: bool = True
     fixed: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -127,12 +136,13 @@ class SearchSpace:
         return {
             "objective": self.objective, "metric": self.metric, "mode": self.mode, "target": self.target,
             "trials": self.trials, "concurrent": self.concurrent,
-            "budget": {"epochs": self.budget_epochs, "time_s": self.budget_time_s},
+            "budget": {"epochs": self.budget_epochs, "time_s": self.budget_time_s,
+                       "total_time_s": self.budget_total_s},
             "scheduler": {"name": self.scheduler, "grace_period": self.grace_period,
                           "reduction_factor": self.reduction_factor, "brackets": self.brackets},
             "searcher": {"name": self.searcher, "seed": self.seed, "n_startup_trials": self.n_startup_trials,
                          "multivariate": self.multivariate},
-            "study_storage": self.study_storage, "fixed": dict(self.fixed),
+            "study_storage": self.study_storage, "share_startup": self.share_startup, "fixed": dict(self.fixed),
             "params": {p.key: p.to_dict() for p in self.params},
         }
 
@@ -189,6 +199,8 @@ def _choice(where: str, value: Any, allowed: tuple[str, ...]) -> str:
 def _param_type(where: str, key: str) -> Any:
     if key == GLOBAL_BATCH:
         return int
+    if key == LR_RULE:
+        return str
     if "." not in key:
         raise ConfigError(f"{where}: unknown config key {key!r}; expected a dotted key such as optim.lr_per_256 "
                           f"or {GLOBAL_BATCH}")
@@ -262,6 +274,10 @@ def parse_space(raw: Any, base: Config, source: str = "space") -> SearchSpace:
     _parse_scheduler(sp, raw)
     _parse_searcher(sp, raw)
     _parse_study_storage(sp, raw)
+    share = raw.get("share_startup", True)
+    if not isinstance(share, bool):
+        raise ConfigError(f"{source}: share_startup: bad value {share!r}; expected true or false")
+    sp.share_startup = share
     _parse_fixed(sp, raw)
     _parse_params(sp, raw)
     _check_bounds(sp, base)
@@ -298,13 +314,17 @@ def _parse_counts(sp: SearchSpace, raw: dict[str, Any]) -> None:
 def _parse_budget(sp: SearchSpace, raw: dict[str, Any], base: Config) -> None:
     """``budget``: epochs per trial (default: the recipe's) and an optional wall-clock cap."""
     source = sp.source
-    budget = _mapping(f"{source}: budget", raw.get("budget"), ("epochs", "time_s"))
+    budget = _mapping(f"{source}: budget", raw.get("budget"), ("epochs", "time_s", "total_time_s"))
     sp.budget_epochs = int(_num(f"{source}: budget.epochs", budget.get("epochs", base.schedule.epochs), True))
     if sp.budget_epochs < 1:
         raise ConfigError(f"{source}: budget.epochs: bad value {sp.budget_epochs!r}; expected >= 1")
     sp.budget_time_s = float(_num(f"{source}: budget.time_s", budget.get("time_s", 0.0)))
     if sp.budget_time_s < 0:
         raise ConfigError(f"{source}: budget.time_s: bad value {sp.budget_time_s!r}; expected >= 0 (0 = no cap)")
+    sp.budget_total_s = float(_num(f"{source}: budget.total_time_s", budget.get("total_time_s", 0.0)))
+    if sp.budget_total_s < 0:
+        raise ConfigError(f"{source}: budget.total_time_s: bad value {sp.budget_total_s!r}; expected >= 0 "
+                          "(0 = no budget)")
 
 
 def _parse_scheduler(sp: SearchSpace, raw: dict[str, Any]) -> None:
@@ -313,10 +333,11 @@ def _parse_scheduler(sp: SearchSpace, raw: dict[str, Any]) -> None:
     sched = _mapping(f"{source}: scheduler", raw.get("scheduler"), ("name", "grace_period", "reduction_factor",
                                                                    "brackets"))
     sp.scheduler = _choice(f"{source}: scheduler.name", sched.get("name", "asha"), SCHEDULERS)
-    sp.grace_period = int(_num(f"{source}: scheduler.grace_period", sched.get("grace_period", 1), True))
-    if not 1 <= sp.grace_period <= sp.budget_epochs:
+    sp.grace_period = int(_num(f"{source}: scheduler.grace_period", sched.get("grace_period", 0), True))
+    if not 0 <= sp.grace_period <= sp.budget_epochs:
         raise ConfigError(f"{source}: scheduler.grace_period: bad value {sp.grace_period!r}; expected 1.."
-                          f"{sp.budget_epochs} (epochs, at most budget.epochs)")
+                          f"{sp.budget_epochs} (epochs, at most budget.epochs), or 0 for the end of the "
+                          "longest warm-up the space can sample")
     sp.reduction_factor = float(_num(f"{source}: scheduler.reduction_factor", sched.get("reduction_factor", 2)))
     if sp.reduction_factor <= 1:
         raise ConfigError(f"{source}: scheduler.reduction_factor: bad value {sp.reduction_factor!r}; expected > 1")
@@ -353,6 +374,9 @@ def _parse_fixed(sp: SearchSpace, raw: dict[str, Any]) -> None:
     if not isinstance(fixed, dict):
         raise ConfigError(f"{sp.source}: fixed: bad value {fixed!r}; expected a mapping of dotted config keys")
     for k in fixed:
+        if k == LR_RULE:
+            raise ConfigError(f"{sp.source}: fixed.{LR_RULE}: only a searched key (linear is what recipes do "
+                              "without it); put it under params as {dist: choice, values: [linear, sqrt]}")
         _param_type(f"{sp.source}: fixed.{k}", str(k))
     sp.fixed = {str(k): v for k, v in fixed.items()}
 
@@ -368,7 +392,11 @@ def _parse_params(sp: SearchSpace, raw: dict[str, Any]) -> None:
         key = str(key)
         if key in sp.fixed:
             raise ConfigError(f"{source}: params.{key}: also set in fixed; a key is either searched or fixed")
-        sp.params.append(parse_param(f"{source}: params.{key}", key, spec))
+        prm = parse_param(f"{source}: params.{key}", key, spec)
+        if key == LR_RULE and (prm.dist != "choice" or not set(prm.values) <= set(LR_RULES)):
+            raise ConfigError(f"{source}: params.{key}: bad value {spec!r}; expected {{dist: choice, values: "
+                              f"[...]}} with values from {', '.join(LR_RULES)}")
+        sp.params.append(prm)
 
 
 def _check_bounds(sp: SearchSpace, base: Config) -> None:
@@ -424,14 +452,25 @@ def base_for_trials(base: Config, space: SearchSpace) -> Config:
 
 
 def apply_params(base: Config, params: dict[str, Any]) -> Config:
-    """A trial's config: ``base`` with the sampled values set (``global_batch`` scales the phases)."""
+    """A trial's config: ``base`` with the sampled values set (``global_batch`` scales the phases;
+    ``lr_rule`` sets how the LR follows the batch, see :func:`apply_lr_rule`)."""
     tree = copy.deepcopy(base.to_dict())
     for k, v in params.items():
         if k == GLOBAL_BATCH:
             scale_batches(tree, int(v))
-        else:
+        elif k != LR_RULE:
             set_dotted(tree, k, v)
+    apply_lr_rule(tree, str(params.get(LR_RULE, "linear")))
     return config_from_dict(tree)
+
+
+def apply_lr_rule(tree: dict[str, Any], rule: str) -> None:
+    """``optim.lr_per_256`` is the LR at a batch of 256. ``linear`` (what recipes do: Goyal et al.) scales
+    it by batch / 256; ``sqrt`` (Hoffer et al., Krizhevsky's "one weird trick") by sqrt(batch / 256), so
+    ``lr_per_256`` becomes lr_per_256 * sqrt(256 / batch) of the first phase's global batch."""
+    if rule == "sqrt":
+        batch = tree["schedule"]["phases"][0]["batch_size"]
+        tree["optim"]["lr_per_256"] = float(tree["optim"]["lr_per_256"]) * math.sqrt(256.0 / batch)
 
 
 def describe(space: SearchSpace) -> str:
