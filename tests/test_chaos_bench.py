@@ -25,7 +25,7 @@ def test_fault_plan_is_seeded_and_adds_a_node_back_after_each_loss():
 
 def test_trigger_points_are_sorted_inside_the_run():
     points = trigger_points(0, 5, 2048)
-    assert points == sorted(points) and all(0.1 * 2048 <= p <= 0.8 * 2048 for p in points)
+    assert points == sorted(points) and all(0.1 * 2048 <= p <= 0.6 * 2048 for p in points)
     assert points == trigger_points(0, 5, 2048)
 
 
