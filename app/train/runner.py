@@ -170,13 +170,14 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
 
     resolve_run(cfg, resume)
     # Before anything else touches the run folder: a second driver must not even check its checkpoints.
-    with RunLock(join(cfg.storage, cfg.name)):
+    with RunLock(join(cfg.storage, cfg.name)) as lock:
         return _run_locked(cfg, resume=resume, progress=progress, verbose=verbose, stream=stream,
-                           callbacks=callbacks, manifest_at=manifest, shared_tiers=shared_tiers)
+                           callbacks=callbacks, manifest_at=manifest, shared_tiers=shared_tiers, lock=lock)
 
 
 def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, stream, callbacks: list | None,
-                manifest_at: str | None = None, shared_tiers: dict[str, list] | None = None) -> dict[str, Any]:
+                manifest_at: str | None = None, shared_tiers: dict[str, list] | None = None,
+                lock=None) -> dict[str, Any]:
     from app.data.manifest import Manifest
     from app.data.prepare import prepare_main
     from app.report.runlog import start_runlog
@@ -191,12 +192,15 @@ def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, str
     from app.train.billing import NodeMeter
 
     meter = NodeMeter(run_dir, cfg.cost.node_type).start()  # every attempt's machine time, kept outside checkpoints
+    known: dict[str, Any] = {}  # what a summary written on a cluster loss can say so far
+    watch = _watch_cluster(cfg, run_dir, local_run_dir, t0, meter, known, lock)
     try:
         use_gpu = _use_gpu(cfg)
         waiting = _check_placement(cfg, use_gpu, started_here, stream or sys.stdout)
         with startup.phase("data_prepare"):
             manifest = Manifest.load(manifest_at or str(prepare_main(cfg)))
         spec, sched = build_ingest_spec(cfg, manifest, shared_tiers)
+        known.update(sched=sched, use_gpu=use_gpu)
         setup_start = time.time()
         _write_run_files(cfg, run_dir, manifest, spec)
         _announce_schedule(sched, run_dir, eval_resolution(cfg), stream=(stream or sys.stdout) if progress else None)
@@ -208,8 +212,36 @@ def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, str
         error, spot = _fit(trainer, cfg, local_run_dir, runlog, waiting,
                            stream=(stream or sys.stdout) if progress else None)
     finally:
-        billing = meter.stop()
+        try:
+            billing = meter.stop()
+        finally:
+            watch.stop()
     return _write_result(cfg, run_dir, local_run_dir, t0, sched, use_gpu, error, spot, billing)
+
+
+def _watch_cluster(cfg: Config, run_dir: str, local_run_dir: str, t0: float, meter, known: dict[str, Any],
+                   lock) -> Any:
+    """Watch the cluster's GCS for the whole run: when it is lost, write summary.json (failed, the cause),
+    say so, print the resume command and exit (app/train/cluster_loss.py)."""
+    from app.train.cluster_loss import ClusterLostError, ClusterWatch, report_and_exit
+
+    def write(error: ClusterLostError) -> None:
+        billing = meter.flush()  # no last sample: it asks the cluster that is gone
+        try:
+            if "sched" in known:
+                _write_result(cfg, run_dir, local_run_dir, t0, known["sched"], known["use_gpu"], error, [], billing)
+            else:  # lost before the schedule was built: what is known
+                write_bytes(join(run_dir, "summary.json"), json.dumps(
+                    {"run_name": cfg.name, "run_dir": run_dir, "status": "failed",
+                     "error": f"{type(error).__name__}: {error}", "command": " ".join(sys.argv)}, indent=2).encode())
+        except ClusterLostError:
+            pass  # _write_result re-raises the run's error once summary.json is written
+        finally:
+            if lock is not None:
+                lock.release()
+
+    return ClusterWatch(ray.get_runtime_context().gcs_address,
+                        lambda cause: report_and_exit(cause, cfg.name, cfg.storage, write)).start()
 
 
 def _check_placement(cfg: Config, use_gpu: bool, started_here: bool, stream) -> placement.WaitReporter:
