@@ -38,7 +38,11 @@ def _one_json_line(args: list[str], timeout: int = 900) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(3600)  # three Ray cluster starts on a shared 2-core machine
 def test_overhead_bench_runs_interleaved_pairs_with_threads_pinned_alike_and_judges_the_spread():
-    res = _one_json_line(["bench.overhead", "--quick", "--pairs", "3"], timeout=3500)
+    check_overhead(_one_json_line(["bench.overhead", "--quick", "--pairs", "3"], timeout=3500))
+
+
+def check_overhead(res: dict) -> None:
+    """What a quick run with 3 pairs must show (also usable on a line saved from a run by hand)."""
     fig, rat = res["figures"], res["ratios"]
     assert res["bench"] == "overhead"
     assert fig["plain_steps_done"] == fig["steps"] == fig["lightray_steps_done"]
@@ -79,8 +83,12 @@ def test_spread_keeps_every_run_and_counts_the_missing_ones():
 @pytest.mark.timeout(3600)
 def test_time_to_accuracy_bench_lightray_and_tuned_plain_learn_far_above_chance_and_ratios_match(tmp_path):
     # Quick demo: 4 classes, so chance is 0.25; lightray and the tuned baseline must reach 0.5 on held-out data.
-    res = _one_json_line(["bench.time_to_accuracy", "--quick", "--target", "0.5", "--storage", str(tmp_path)],
-                         timeout=3500)
+    check_time_to_accuracy(_one_json_line(["bench.time_to_accuracy", "--quick", "--target", "0.5", "--storage",
+                                           str(tmp_path)], timeout=3500))
+
+
+def check_time_to_accuracy(res: dict) -> None:
+    """What a quick run with target 0.5 must show (also usable on a line saved from a run by hand)."""
     fig, rat = res["figures"], res["ratios"]
     assert res["bench"] == "time_to_accuracy" and fig["targets"] == [0.5] and fig["repeats"] == 1
     assert fig["val_images"] == 100 and fig["train_images"] == 600  # quick demo: 4 classes x (150 train, 25 val)
@@ -149,3 +157,34 @@ def test_overhead_rejects_a_warmup_that_is_not_a_report_step():
                           "--report-every", "5"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "--warmup=3" in out.stderr and "multiple of --report-every=5" in out.stderr
+
+
+def _tta_run(times: dict[str, float | None], best: float, lr: float = 0.1) -> dict:
+    return {"by_target": {k: {"reached": v is not None, "train_s": v, "wall_s": None if v is None else v + 10,
+                              "epochs": 1} for k, v in times.items()}, "best_top1": best, "lr_per_256": lr}
+
+
+def test_example_sweep_prefers_more_targets_then_the_sooner_then_the_better_top1():
+    from bench.time_to_accuracy import _example_rank
+
+    targets = [0.5, 0.8]
+    slow_high = _tta_run({"0.5": 5.0, "0.8": 50.0}, 0.85, lr=0.1)
+    fast_high = _tta_run({"0.5": 9.0, "0.8": 30.0}, 0.82, lr=0.3)
+    low_only = _tta_run({"0.5": 1.0, "0.8": None}, 0.7, lr=0.9)
+    none = _tta_run({"0.5": None, "0.8": None}, 0.3, lr=2.0)
+    none_better = _tta_run({"0.5": None, "0.8": None}, 0.4, lr=3.0)
+    runs = [none, low_only, slow_high, none_better, fast_high]
+    assert [r["lr_per_256"] for r in sorted(runs, key=lambda r: _example_rank(r, targets))] == [0.3, 0.1, 0.9, 3.0,
+                                                                                               2.0]
+
+
+def test_time_to_accuracy_ratios_are_baseline_over_lightray_per_repeat_with_misses_counted():
+    from bench.time_to_accuracy import ratios_against
+
+    light = [_tta_run({"0.5": 10.0}, 0.9), _tta_run({"0.5": 20.0}, 0.9), _tta_run({"0.5": 10.0}, 0.9)]
+    base = [_tta_run({"0.5": 30.0}, 0.9), _tta_run({"0.5": 40.0}, 0.9), _tta_run({"0.5": None}, 0.4)]
+    out = ratios_against(base, light, [0.5], "vs_x")
+    train = out["vs_x_train_s"]["0.5"]
+    assert train["runs"] == [3.0, 2.0, None] and train["missing"] == 1 and train["median"] == 2.5
+    assert train["resolved"] is True  # spread 1.0 < gap 1.5
+    assert out["vs_x_wall_s"]["0.5"]["runs"] == [2.0, pytest.approx(50 / 30, abs=1e-3), None]
