@@ -91,7 +91,7 @@ def check_time_to_accuracy(res: dict) -> None:
     """What a quick run with target 0.5 must show (also usable on a line saved from a run by hand)."""
     fig, rat = res["figures"], res["ratios"]
     assert res["bench"] == "time_to_accuracy" and fig["targets"] == [0.5] and fig["repeats"] == 1
-    assert fig["val_images"] == 100 and fig["train_images"] == 600  # quick demo: 4 classes x (150 train, 25 val)
+    assert fig["val_images"] == 200 and fig["train_images"] == 1200  # quick demo: 4 classes x (300 train, 50 val)
     for side in ("lightray", "tuned_plain"):  # the example's recipe may well not learn this: not asserted
         s = fig[side]
         assert s["reached"]["0.5"] == [True], (side, s["top1_per_epoch"])
