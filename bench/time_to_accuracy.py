@@ -47,6 +47,7 @@ faster), computed per repeat and then summarised: ``ratios.vs_tuned_plain_{train
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -280,10 +281,12 @@ def run_lightray(storage: str, overrides: dict[str, Any], targets: list[float], 
     cfg = load_config("demo", {"storage": storage, "name": name, "scaling.ray_address": "local",
                                "scaling.seed": seed, "report.targets": list(targets), **overrides})
     t0_unix, t0 = time.time(), time.perf_counter()
-    try:
-        run_training(cfg, progress=False, stream=sys.stderr)
-    finally:
-        ray.shutdown()
+    # Ray forwards its raylet's and workers' warnings to the driver's stdout; stdout holds only the JSON line.
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            run_training(cfg, progress=False, stream=sys.stderr)
+        finally:
+            ray.shutdown()
     total = time.perf_counter() - t0
     vals = [r for r in read_jsonl(os.path.join(storage, name, "metrics.jsonl")) if "val_top1" in r]
     if not vals:
