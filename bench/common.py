@@ -137,3 +137,49 @@ def tree_pss_mb(pid: int) -> float:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return total / 2**20
+
+
+def spread(values: list[float | None], digits: int = 4) -> dict[str, Any]:
+    """Median, min and max of repeated measurements (``None``s, i.e. runs that produced no figure, are counted
+    in ``missing`` and left out of the statistics), with every run kept: a reader judges the spread, not just
+    the middle. All ``None`` when no run produced a figure."""
+    got = sorted(float(v) for v in values if v is not None)
+    mid = None
+    if got:
+        k = len(got) // 2
+        mid = got[k] if len(got) % 2 else (got[k - 1] + got[k]) / 2
+
+    def r(v: float | None) -> float | None:
+        return None if v is None else round(v, digits)
+
+    return {"median": r(mid), "min": r(got[0] if got else None), "max": r(got[-1] if got else None),
+            "n": len(got), "missing": len(values) - len(got), "runs": [r(v) for v in values]}
+
+
+def resolved_ratio(ratios: list[float], digits: int = 4) -> dict[str, Any]:
+    """A ratio measured in several A/B pairs, judged against 1 (no difference).
+
+    ``gap`` is how far the median ratio lies from 1, ``spread`` the max minus the min over the pairs;
+    ``resolved`` is false when the spread is wider than the gap: the pairs disagree by more than the
+    difference being claimed, so the machine cannot tell the two sides apart at this load."""
+    s = spread(list(ratios), digits)
+    if s["median"] is None:
+        return {**s, "gap": None, "spread": None, "resolved": False}
+    gap, width = abs(s["median"] - 1.0), s["max"] - s["min"]
+    return {**s, "gap": round(gap, digits), "spread": round(width, digits), "resolved": bool(width <= gap)}
+
+
+def pin_threads(threads: int) -> int:
+    """Set torch's intra-op threads (and the env that BLAS/OpenMP libraries started later read) to ``threads``;
+    returns what torch now uses. Both sides of a comparison call this with the same number."""
+    import torch
+
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(threads)
+    torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+def machine_cores() -> int:
+    """CPUs this process may run on (the affinity mask, else the count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -1,6 +1,6 @@
 """Framework overhead: lightray's training path against a plain torch.distributed script, same work.
 
-    python -m bench.overhead                   # 2 workers, resnet_tiny, 32 px, global batch 128, 400 steps
+    python -m bench.overhead                   # 3 A/B pairs; 2 workers, resnet_tiny, 32 px, batch 128, 400 steps
     python -m bench.overhead --quick           # a correctness run in well under a minute of training
     python -m bench.overhead --resolution 64 --batch 64 --steps 120 --warmup 20
 
@@ -13,8 +13,7 @@ worker count. Steps/s are measured after the first ``--warmup`` steps on both si
     ``DistributedDataParallel``, ``torch.optim.SGD`` (momentum 0.9, nesterov, the recipe's weight decay),
     cross-entropy with the recipe's label smoothing; each rank indexes its slice of every global batch
     straight out of an in-memory uint8 tensor and normalises it as lightray does. One torch thread per
-    process (what torchrun sets, and what Ray gives a worker reserving under one CPU). It is run twice,
-    before and after (b), and the mean is the baseline: the machine is shared and its load drifts.
+    process (what torchrun sets, and what Ray gives a worker reserving under one CPU).
 
 (b) lightray: the real ``app.train.worker.train_loop_per_worker`` run by a real Ray Train ``TorchTrainer``
     (``ScalingConfig`` with the recipe's ``cpus_per_worker``, ``RunConfig``/``FailureConfig``/
@@ -32,6 +31,18 @@ worker count. Steps/s are measured after the first ``--warmup`` steps on both si
 
 Timing of (b) comes from the loop's own metrics (``elapsed_s`` at the reports of steps ``warmup`` and
 ``steps``, taken on rank 0 right after the optimizer step, as on the plain side).
+
+Threads: both sides pin torch's intra-op threads to ``--threads`` (default 1) in every training process
+(``bench.common.pin_threads``: ``torch.set_num_threads`` plus ``OMP_NUM_THREADS``/``MKL_NUM_THREADS``); the
+lightray side does it in a thin wrapper around ``train_loop_per_worker``, and each side records the count
+its ranks actually ran with (``figures.*_torch_threads``).
+
+Pairs: ``--pairs`` (default 3) A/B pairs, interleaved and alternating in order (plain first in even pairs,
+lightray first in odd ones) so that a load drift weighs on both sides alike. Each pair gives one ratio
+lightray/plain steps/s; ``ratios.lightray_over_plain_steps_per_s`` is their median, with min, max and every
+pair's value beside it. ``ratios.resolved`` is false when the pairs' spread (max - min) is wider than the gap
+being measured (|median - 1|): the machine then cannot tell the two sides apart, and the figure must be
+quoted as unresolved, not as a number.
 """
 
 from __future__ import annotations
@@ -52,7 +63,7 @@ import numpy as np
 import torch
 
 from app.train.device import IMAGENET_MEAN, IMAGENET_STD
-from bench.common import REPO, Machine, emit, note, ratio, read_jsonl
+from bench.common import REPO, Machine, emit, load_avg, note, pin_threads, ratio, read_jsonl, resolved_ratio
 
 POOL_STEPS = 50  # distinct global batches held in memory; step s trains on batch s % POOL_STEPS
 
@@ -83,7 +94,7 @@ def build_config(args: argparse.Namespace, storage: str, name: str):
 
 # --- (a) plain torch.distributed ------------------------------------------------------------------
 def _plain_worker(rank: int, world: int, folder: str, images: np.ndarray, labels: np.ndarray, cfg_dict: dict,
-                  steps: int, warmup: int) -> None:
+                  steps: int, warmup: int, threads: int) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -91,7 +102,7 @@ def _plain_worker(rank: int, world: int, folder: str, images: np.ndarray, labels
     from app.data.plan import rank_slice
     from app.train.model import build_model
 
-    torch.set_num_threads(1)
+    pin_threads(threads)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
     cfg = config_from_dict(cfg_dict)
     batch = cfg.schedule.phases[0].batch_size
@@ -131,13 +142,13 @@ def _plain_worker(rank: int, world: int, folder: str, images: np.ndarray, labels
 
 
 def run_plain(images: np.ndarray, labels: np.ndarray, cfg_dict: dict, workers: int, steps: int,
-              warmup: int) -> dict[str, Any]:
+              warmup: int, threads: int) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as folder:
         t0 = time.perf_counter()
-        mp.spawn(_plain_worker, args=(workers, folder, images, labels, cfg_dict, steps, warmup), nprocs=workers,
-                 join=True)
+        mp.spawn(_plain_worker, args=(workers, folder, images, labels, cfg_dict, steps, warmup, threads),
+                 nprocs=workers, join=True)
         wall = time.perf_counter() - t0
         res = json.loads(pathlib.Path(folder, "result.json").read_text())
     res["steps_per_s"] = (steps - warmup) / (res["t_end"] - res["t_warm"])
@@ -200,7 +211,22 @@ def _val_blocks(n: int):
     return ray.data.from_items([{"start": 0, "end": n}], override_num_blocks=1)
 
 
-def run_lightray(images: np.ndarray, labels: np.ndarray, cfg, steps: int, warmup: int, val_n: int) -> dict[str, Any]:
+def _pinned_train_loop(config: dict) -> None:
+    """``train_loop_per_worker`` with torch's threads pinned first, as the plain side pins them; each rank
+    records the count it ran with."""
+    import ray.train
+
+    from app.train.worker import train_loop_per_worker
+
+    config = dict(config)
+    threads, folder = config.pop("bench_threads"), config.pop("bench_threads_dir")
+    used = pin_threads(threads)
+    pathlib.Path(folder, f"threads-{ray.train.get_context().get_world_rank()}.txt").write_text(str(used))
+    train_loop_per_worker(config)
+
+
+def run_lightray(images: np.ndarray, labels: np.ndarray, cfg, steps: int, warmup: int, val_n: int,
+                 threads: int) -> dict[str, Any]:
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -209,7 +235,6 @@ def run_lightray(images: np.ndarray, labels: np.ndarray, cfg, steps: int, warmup
     from app.data.ingest import IngestSpec, PhaseSpec, TierShards
     from app.report.runlog import start_runlog
     from app.train.runner import _limit_data_resources, connect_ray
-    from app.train.worker import train_loop_per_worker
 
     t0 = time.perf_counter()
     connect_ray(cfg)
@@ -227,9 +252,10 @@ def run_lightray(images: np.ndarray, labels: np.ndarray, cfg, steps: int, warmup
     _limit_data_resources(workers * cfg.scaling.cpus_per_worker)
     runlog = start_runlog(cfg.name, run_dir, cfg.report.tensorboard)
     trainer = TorchTrainer(
-        train_loop_per_worker,
+        _pinned_train_loop,
         train_loop_config={"cfg": cfg.to_dict(), "spec": spec, "run_dir": run_dir,
-                           "num_classes": cfg.data.demo_classes},
+                           "num_classes": cfg.data.demo_classes, "bench_threads": threads,
+                           "bench_threads_dir": run_dir},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=False,
                                      resources_per_worker={"CPU": cfg.scaling.cpus_per_worker}),
         run_config=RunConfig(name=cfg.name, storage_path=cfg.storage,
@@ -249,7 +275,8 @@ def run_lightray(images: np.ndarray, labels: np.ndarray, cfg, steps: int, warmup
                            "--warmup and --steps must be multiples of --report-every")
     val = [r for r in lines if "val_top1" in r]
     dt = at[steps]["elapsed_s"] - at[warmup]["elapsed_s"]
-    return {"steps_per_s": (steps - warmup) / dt, "wall_s": wall, "steps": int(max(at)),
+    used = sorted({int(p.read_text()) for p in pathlib.Path(run_dir).glob("threads-*.txt")})
+    return {"steps_per_s": (steps - warmup) / dt, "wall_s": wall, "steps": int(max(at)), "threads": used,
             "first_loss": records[0]["loss"], "last_loss": at[steps]["loss"],
             "data_wait_frac": statistics.mean(float(r["data_wait_frac"]) for r in records if r["step"] > warmup),
             "val_samples": val[-1].get("val_samples") if val else None}
@@ -276,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resolution", type=int, default=32)
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--report-every", type=int, default=5, help="lightray's report.every_steps")
+    p.add_argument("--pairs", type=int, default=3, help="interleaved A/B pairs (at least 3 to judge a spread)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per training process, on both sides")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks that the bench works, not speed")
     p.add_argument("--lightray-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -288,45 +317,74 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--warmup={args.warmup}: expected 0 < warmup < --steps={args.steps}")
     if args.batch < args.workers:
         p.error(f"--batch={args.batch}: expected at least --workers={args.workers}")
+    if args.pairs < 1 or args.threads < 1:
+        p.error("--pairs and --threads: expected positive integers")
 
     if args.lightray_child:  # (b) alone, its result as one JSON line for the parent
         images, labels = make_data(args.steps, args.batch, args.resolution, args.classes)
         with tempfile.TemporaryDirectory(prefix="bench-overhead-") as storage:
             cfg = build_config(args, storage, f"overhead-{int(time.time())}")
             light = run_lightray(images, labels, cfg, args.steps, args.warmup,
-                                 val_n=min(len(labels), 2 * args.batch))
+                                 val_n=min(len(labels), 2 * args.batch), threads=args.threads)
         sys.stdout.write(json.dumps(light) + "\n")
         sys.stdout.flush()
         os._exit(0)  # skip Ray's own exit handlers: the result is out
     machine = Machine()
     images, labels = make_data(args.steps, args.batch, args.resolution, args.classes)
+    child_argv = argv if argv is not None else sys.argv[1:]
+    plains: list[dict[str, Any]] = []
+    lights: list[dict[str, Any]] = []
+    orders: list[str] = []
+    loads: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as storage:
         cfg = build_config(args, storage, f"overhead-{int(time.time())}")
-        note(f"plain DDP ({args.workers} gloo processes), run 1 of 2")
-        plain1 = run_plain(images, labels, cfg.to_dict(), args.workers, args.steps, args.warmup)
-        note(f"plain run 1: {plain1['steps_per_s']:.2f} steps/s; lightray TorchTrainer + Ray Data")
-        light = lightray_in_child(argv if argv is not None else sys.argv[1:])
-        note(f"lightray: {light['steps_per_s']:.2f} steps/s; plain run 2 of 2")
-        plain2 = run_plain(images, labels, cfg.to_dict(), args.workers, args.steps, args.warmup)
-    plain_sps = (plain1["steps_per_s"] + plain2["steps_per_s"]) / 2
+        for pair in range(args.pairs):
+            # Alternate which side goes first: a load that rises or falls through the pair then favours each
+            # side equally often instead of always the same one.
+            order = ("plain", "lightray") if pair % 2 == 0 else ("lightray", "plain")
+            orders.append("-".join(order))
+            loads.append(load_avg())
+            for side in order:
+                note(f"pair {pair + 1}/{args.pairs}: {side} ({args.workers} workers, {args.threads} torch thread(s) "
+                     f"each; load {load_avg()})")
+                if side == "plain":
+                    plains.append(run_plain(images, labels, cfg.to_dict(), args.workers, args.steps, args.warmup,
+                                            args.threads))
+                else:
+                    lights.append(lightray_in_child(child_argv))
+            note(f"pair {pair + 1}: plain {plains[-1]['steps_per_s']:.2f}, lightray {lights[-1]['steps_per_s']:.2f} "
+                 "steps/s")
+    per_pair = [ratio(lt["steps_per_s"], pl["steps_per_s"]) for lt, pl in zip(lights, plains)]
+    verdict = resolved_ratio(per_pair)
+    plain_sps = statistics.median(r["steps_per_s"] for r in plains)
+    light_sps = statistics.median(r["steps_per_s"] for r in lights)
     figures = {
         "workers": args.workers, "model": cfg.model.arch, "resolution": args.resolution, "global_batch": args.batch,
-        "steps": args.steps, "warmup_steps_excluded": args.warmup,
+        "steps": args.steps, "warmup_steps_excluded": args.warmup, "pairs": args.pairs, "pair_orders": orders,
+        "load_1m_at_pair_start": loads,
         "plain_steps_per_s": round(plain_sps, 3),
-        "plain_steps_per_s_runs": [round(plain1["steps_per_s"], 3), round(plain2["steps_per_s"], 3)],
+        "plain_steps_per_s_runs": [round(r["steps_per_s"], 3) for r in plains],
         "plain_images_per_s": round(plain_sps * args.batch, 1),
-        "plain_wall_s_runs": [round(plain1["wall_s"], 1), round(plain2["wall_s"], 1)],
-        "plain_steps_done": plain1["steps"], "plain_loss_first_last": [plain1["first_loss"], plain1["last_loss"]],
-        "plain_torch_threads": plain1["threads"],
-        "lightray_steps_per_s": round(light["steps_per_s"], 3),
-        "lightray_images_per_s": round(light["steps_per_s"] * args.batch, 1),
-        "lightray_wall_s": round(light["wall_s"], 1), "lightray_steps_done": light["steps"],
-        "lightray_loss_first_last": [light["first_loss"], light["last_loss"]],
-        "lightray_data_wait_frac": round(light["data_wait_frac"], 4),
-        "lightray_val_samples": light["val_samples"],
+        "plain_wall_s_runs": [round(r["wall_s"], 1) for r in plains],
+        "plain_steps_done": min(r["steps"] for r in plains),
+        "plain_loss_first_last": [plains[0]["first_loss"], plains[0]["last_loss"]],
+        "plain_torch_threads": sorted({r["threads"] for r in plains}),
+        "lightray_steps_per_s": round(light_sps, 3),
+        "lightray_steps_per_s_runs": [round(r["steps_per_s"], 3) for r in lights],
+        "lightray_images_per_s": round(light_sps * args.batch, 1),
+        "lightray_wall_s_runs": [round(r["wall_s"], 1) for r in lights],
+        "lightray_steps_done": min(r["steps"] for r in lights),
+        "lightray_loss_first_last": [lights[0]["first_loss"], lights[0]["last_loss"]],
+        "lightray_torch_threads": sorted({t for r in lights for t in r["threads"]}),
+        "lightray_data_wait_frac": round(statistics.median(r["data_wait_frac"] for r in lights), 4),
+        "lightray_val_samples": lights[0]["val_samples"],
     }
-    ratios = {"lightray_over_plain_steps_per_s": ratio(light["steps_per_s"], plain_sps)}
-    emit("overhead", figures, ratios, machine.finish(quick=args.quick))
+    ratios = {"lightray_over_plain_steps_per_s": verdict["median"],
+              "lightray_over_plain_steps_per_s_min": verdict["min"],
+              "lightray_over_plain_steps_per_s_max": verdict["max"],
+              "lightray_over_plain_steps_per_s_pairs": verdict["runs"],
+              "spread": verdict["spread"], "gap": verdict["gap"], "resolved": verdict["resolved"]}
+    emit("overhead", figures, ratios, machine.finish(quick=args.quick, threads=args.threads))
     return 0
 
 

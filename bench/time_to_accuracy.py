@@ -1,42 +1,53 @@
-"""Time to the same top-1 on the demo dataset: the PyTorch ImageNet example recipe against lightray's demo.
+"""Time to the same top-1 on the demo dataset: lightray's demo recipe against the same recipe in plain PyTorch.
 
-    python -m bench.time_to_accuracy                       # targets 0.5 and 0.8 (the demo recipe's), 16 epochs
-    python -m bench.time_to_accuracy --target 0.7 --baseline-epochs 16
-    python -m bench.time_to_accuracy --quick               # tiny data, 1 epoch each: checks the bench works
+    python -m bench.time_to_accuracy                       # targets 0.5 and 0.8, the recipe's 16 epochs, 3 repeats
+    python -m bench.time_to_accuracy --repeats 1 --no-example
+    python -m bench.time_to_accuracy --quick               # 4 classes, 1,200 images, 8 epochs: checks it works
 
-Same data (``app.data.demo.ensure_demo`` with the demo recipe's data settings, made once before either
-side runs and not timed), same model architecture (``build_model``, resnet_tiny), same machine, run one
-after the other in this process (lightray first), each evaluated on the whole validation split after every epoch.
+Same data (``app.data.demo.ensure_demo`` with the recipe's data settings, made once before any side runs and
+not timed), same model (``build_model`` with the recipe's model section: resnet_tiny, channels_last), same
+machine, the sides run one after the other in this process, each evaluated on the whole validation split
+after every epoch. The recipe is read from ``app/recipes/demo.yaml`` (through ``load_config``), never copied.
 
-(a) baseline: what pytorch/examples ``imagenet/main.py`` does, scaled to 64 px: torchvision
-    ``ImageFolder`` over the JPEG tree + ``DataLoader`` (``num_workers`` = cores, shuffle, not persistent),
-    train ``RandomResizedCrop(64)`` + ``RandomHorizontalFlip``, val ``Resize(73)`` + ``CenterCrop(64)``, fixed
-    batch 128, ``SGD`` momentum 0.9, lr 0.1 x 128/256, weight decay 1e-4 on every parameter, ``StepLR``
-    dividing the LR by 10 every 30% of the epochs, plain cross-entropy, NCHW, default init (no zero-init
-    residual), no warm-up, no label smoothing. It runs until the highest target or ``--baseline-epochs``
-    (default 16: the demo recipe's epoch budget, so both sides get the same number of passes over the data).
-    Single process (torch's default threads = cores) rather than 2-process gloo DDP: on a 2-core machine
-    the two DDP ranks plus their loader workers would only share the same two cores, and gloo all-reduce
-    adds cost that no second device pays back; the example's own default without ``--multiprocessing-
-    distributed`` is one process too.
-(b) lightray: ``run_training(load_config("demo", overrides))`` -- the demo recipe as shipped (2 workers,
-    progressive resizing 32 -> 48 -> 64, its schedule and epochs); overrides only set the storage, run
-    name, a fresh local Ray cluster and ``report.targets``. It runs its whole schedule (the app has no
-    stop-at-target); time to target is read from its metrics.
+(a) ``tuned_plain`` (the primary baseline): the recipe's hyper-parameters in a plain PyTorch loop, at the
+    recipe's final phase (its resolution, batch and crop scale; no progressive resizing, which is part of
+    what lightray adds). torchvision ``ImageFolder`` over the JPEG tree + ``DataLoader`` (shuffle, drop_last,
+    persistent workers), train ``RandomResizedCrop(res, scale=(min_scale, 1))`` + ``RandomHorizontalFlip``,
+    val ``Resize(res / val_crop_ratio)`` + ``CenterCrop(res)`` at the recipe's eval resolution; ``SGD`` with
+    the recipe's momentum and Nesterov, LR ``lr_per_256 x batch / 256``, per-step warm-up and decay with the
+    recipe's shape (``app.schedule.Schedule.lr_shape``: the curve lightray applies, evaluated from the
+    recipe), weight decay only on conv/linear weights unless the recipe decays BN and biases too, the
+    recipe's label smoothing, channels_last as the recipe. Threads and loader workers are set for the machine
+    (``--plain-threads``, ``--plain-loader-workers``; default: the cores). It stops at the highest target or
+    the recipe's epochs.
+(b) ``pytorch_example`` (the second baseline): pytorch/examples ``imagenet/main.py`` scaled to the final
+    resolution: ``RandomResizedCrop(res)`` (scale 0.08-1), fixed batch 128, SGD momentum 0.9, weight decay 1e-4
+    on every parameter, ``StepLR`` /10 every 30% of the epochs, plain cross-entropy, no warm-up, NCHW. Its
+    LR is chosen by a small sweep (``--example-lr-per-256``, three values by default, the example's own 0.1
+    among them): in the first repeat every value runs; the one that reaches the highest target soonest
+    (else the best top-1) is used in later repeats; every sweep run is reported. ``--no-example`` skips it.
+(c) ``lightray``: ``run_training(load_config("demo", overrides))``: the recipe as shipped (2 workers,
+    progressive resizing, its schedule and epochs); overrides only set storage, run name, seed, a fresh local
+    Ray cluster and ``report.targets``. It runs its whole schedule; time to target is read from its metrics.
 
-Figures: per side the training seconds to the target (from the first training step; lightray's
-``elapsed_s``, which includes its per-epoch validation and checkpoints, as the baseline's includes its
-validation), the wall seconds to the target including start-up (Ray start, shard-cache check or build,
-worker-group start for lightray; dataset scan and model build for the baseline), the total wall, the
-epochs to the target and the best top-1, and each side's training seconds per epoch. Ratios: baseline
-seconds over lightray seconds (bigger = lightray faster), for training time and for wall time including
-start-up; ``null`` when a side missed the target. ``baseline_over_lightray_train_s_per_epoch`` compares
-the cost of one pass over the data (not at equal accuracy: lightray's early epochs run at 32/48 px).
+Times per side and target: ``train_s_to_target`` from the first training step (lightray's ``elapsed_s``; the
+baselines' clock starts when their training loop starts, loader workers' start included, and includes their
+per-epoch validation as lightray's does), ``wall_s_to_target`` including start-up, and ``startup_s`` apart:
+dataset scan, model and loader build for the baselines; Ray start, shard-cache check or build and
+worker-group start for lightray (the wall time before its first training step).
+
+``--repeats N`` (default 3; 1 with ``--quick``) runs every side N times, alternating which of lightray and the
+tuned baseline goes first, each repeat with its own seed. Every figure is given as median, min, max and the
+runs (``bench.common.spread``). Ratios are baseline seconds over lightray seconds (bigger = lightray
+faster), computed per repeat and then summarised: ``ratios.vs_tuned_plain_{train,wall}_s.<target>`` and
+``ratios.vs_pytorch_example_{train,wall}_s.<target>``; a repeat in which a side missed the target counts as
+``missing``; ``resolved`` is false when the repeats' spread is wider than the median's distance from 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -44,16 +55,25 @@ from typing import Any
 
 import torch
 
-from bench.common import Machine, emit, load_avg, note, ratio, read_jsonl
+from bench.common import Machine, emit, load_avg, machine_cores, note, ratio, read_jsonl, resolved_ratio, spread
 
 DEFAULT_STORAGE = os.path.join(os.environ.get("TMPDIR", "/tmp"), "lightray-bench-tta")
+EXAMPLE_LRS_PER_256 = (0.1, 0.3, 0.9)  # the example's own 0.1, then x3 and x9
+EXAMPLE_BATCH = 128
 
 
 def quick_overrides() -> dict[str, Any]:
-    """Tiny data and one short epoch: a correctness run of the bench, not a measurement."""
-    return {"data.demo_train_per_class": 12, "data.demo_val_per_class": 6, "schedule.epochs": 1,
-            "schedule.phases": [{"until_epoch": 1, "resolution": 32, "batch_size": 32, "min_scale": 0.35}],
-            "data.autotune_seconds": 0.0}
+    """A correctness run that still has to learn: 4 of the demo's classes (chance 0.25), 1,200 training images,
+    8 epochs, the recipe's phases (resolutions, crop scales, fractions) at batch 32 instead of the recipe's
+    (twice the steps for the same images; the LR follows the batch). Measured here: 600 images for 6 epochs at
+    24/32 px left both lightray and the tuned baseline below 0.5. The optimiser, warm-up, decay and smoothing
+    stay the recipe's."""
+    from app.config import load_config
+
+    phases = [{"until": ph.until, "until_epoch": ph.until_epoch, "resolution": ph.resolution, "batch_size": 32,
+               "min_scale": ph.min_scale} for ph in load_config("demo").schedule.phases]
+    return {"data.demo_classes": 4, "data.demo_train_per_class": 300, "data.demo_val_per_class": 50,
+            "schedule.epochs": 8, "schedule.phases": phases, "report.eval_sweep": [], "data.autotune_seconds": 0.0}
 
 
 def demo_tree(storage: str, overrides: dict[str, Any]) -> str:
@@ -69,186 +89,346 @@ def demo_tree(storage: str, overrides: dict[str, Any]) -> str:
 
 
 def _to_targets(history: list[dict[str, Any]], targets: list[float], train_key: str, wall_key: str
-                ) -> dict[str, Any]:
+                ) -> dict[str, dict[str, Any]]:
     """Per target: the first epoch record at or above it (training s, wall s incl. start-up, epochs)."""
-    out: dict[str, Any] = {}
+    out: dict[str, dict[str, Any]] = {}
     for t in targets:
         hit = next((r for r in history if float(r["val_top1"]) >= t), None)
-        out[f"{t:g}"] = {"reached": hit is not None, "train_s_to_target": float(hit[train_key]) if hit else None,
-                         "wall_s_to_target": float(hit[wall_key]) if hit else None,
-                         "epochs_to_target": int(hit["epoch"]) if hit else None}
-    return {"by_target": out, **out[f"{max(targets):g}"]}
+        out[f"{t:g}"] = {"reached": hit is not None, "train_s": float(hit[train_key]) if hit else None,
+                         "wall_s": float(hit[wall_key]) if hit else None,
+                         "epochs": int(hit["epoch"]) if hit else None}
+    return out
 
 
-# --- (a) the PyTorch ImageNet example recipe --------------------------------------------------------
-def run_baseline(tree: str, *, epochs: int, targets: list[float], batch: int, resolution: int, workers: int,
-                 weight_decay: float, classes_expected: int) -> dict[str, Any]:
-    import torchvision.transforms as T
-    from torch import nn
-    from torchvision.datasets import ImageFolder
+def _side_result(history: list[dict[str, Any]], targets: list[float], startup_s: float, total_wall_s: float,
+                 **extra: Any) -> dict[str, Any]:
+    return {"by_target": _to_targets(history, targets, "train_s", "wall_s"), "startup_s": startup_s,
+            "epochs_run": len(history), "best_top1": max(float(r["val_top1"]) for r in history),
+            "train_s_total": float(history[-1]["train_s"]), "total_wall_s": total_wall_s,
+            "train_s_per_epoch": float(history[-1]["train_s"]) / len(history),
+            "top1_per_epoch": [round(float(r["val_top1"]), 4) for r in history], **extra}
 
-    from app.config import ModelConfig
-    from app.train.device import IMAGENET_MEAN, IMAGENET_STD
-    from app.train.model import build_model
 
-    t_start = time.perf_counter()
-    normalize = T.Normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD)
-    train_set = ImageFolder(os.path.join(tree, "train"), T.Compose(
-        [T.RandomResizedCrop(resolution), T.RandomHorizontalFlip(), T.ToTensor(), normalize]))
-    val_set = ImageFolder(os.path.join(tree, "val"), T.Compose(
-        [T.Resize(round(resolution / 0.875)), T.CenterCrop(resolution), T.ToTensor(), normalize]))
-    if len(train_set.classes) != classes_expected:
-        raise RuntimeError(f"demo tree {tree}: {len(train_set.classes)} classes, expected {classes_expected}")
-    train_loader = torch.utils.data.DataLoader(train_set, batch_size=batch, shuffle=True, num_workers=workers)
-    val_loader = torch.utils.data.DataLoader(val_set, batch_size=batch, shuffle=False, num_workers=workers)
-    torch.manual_seed(0)
-    model = build_model(ModelConfig(arch="resnet_tiny", zero_init_residual=False, channels_last=False),
-                        len(train_set.classes))
-    criterion = nn.CrossEntropyLoss()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1 * batch / 256, momentum=0.9, weight_decay=weight_decay)
-    step_every = max(1, round(0.3 * epochs))
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=step_every, gamma=0.1)
-    history = []
+# --- the plain PyTorch loop both baselines share -------------------------------------------------------
+def _plain_loop(model: torch.nn.Module, train_loader, val_loader, opt: torch.optim.Optimizer, criterion,
+                set_lr, *, epochs: int, targets: list[float], channels_last: bool, t_start: float, label: str
+                ) -> tuple[list[dict[str, Any]], float]:
+    """Train and validate every epoch until the highest target or ``epochs``; ``set_lr(epoch, step,
+    steps_per_epoch)`` runs before each step. Returns the per-epoch records and the start-up seconds."""
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    steps_per_epoch = len(train_loader)
+    history: list[dict[str, Any]] = []
     t_train = time.perf_counter()
+    startup = t_train - t_start
     for epoch in range(epochs):
         model.train()
         loss_sum, n = 0.0, 0
-        for x, y in train_loader:
-            loss = criterion(model(x), y)
-            opt.zero_grad()
+        for step, (x, y) in enumerate(train_loader):
+            set_lr(epoch, step, steps_per_epoch)
+            loss = criterion(model(x.contiguous(memory_format=fmt)), y)
+            opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             loss_sum += float(loss.detach()) * len(y)
             n += len(y)
-        sched.step()
         model.eval()
         correct = total = 0
         with torch.no_grad():
             for x, y in val_loader:
-                correct += int((model(x).argmax(1) == y).sum())
+                correct += int((model(x.contiguous(memory_format=fmt)).argmax(1) == y).sum())
                 total += len(y)
         now = time.perf_counter()
         rec = {"epoch": epoch + 1, "train_loss": loss_sum / max(1, n), "val_top1": correct / max(1, total),
                "train_s": now - t_train, "wall_s": now - t_start}
         history.append(rec)
-        note(f"baseline epoch {epoch + 1}/{epochs}: loss {rec['train_loss']:.3f} top-1 {rec['val_top1']:.3f} "
+        note(f"{label} epoch {epoch + 1}/{epochs}: loss {rec['train_loss']:.3f} top-1 {rec['val_top1']:.3f} "
              f"({rec['train_s']:.0f} s)")
         if rec["val_top1"] >= max(targets):
             break
-    return {**_to_targets(history, targets, "train_s", "wall_s"), "epochs_run": len(history),
-            "best_top1": max(r["val_top1"] for r in history), "train_s_total": history[-1]["train_s"],
-            "total_wall_s": time.perf_counter() - t_start, "train_images": len(train_set),
-            "val_images": len(val_set), "lr_step_every_epochs": step_every,
-            "top1_per_epoch": [round(r["val_top1"], 4) for r in history]}
+    return history, startup
 
 
-# --- (b) lightray's demo recipe ---------------------------------------------------------------------
-def run_lightray(storage: str, overrides: dict[str, Any], targets: list[float]) -> dict[str, Any]:
+def _folders(tree: str, train_tf, val_tf, classes_expected: int):
+    from torchvision.datasets import ImageFolder
+
+    train_set = ImageFolder(os.path.join(tree, "train"), train_tf)
+    val_set = ImageFolder(os.path.join(tree, "val"), val_tf)
+    if len(train_set.classes) != classes_expected:
+        raise RuntimeError(f"demo tree {tree}: {len(train_set.classes)} classes, expected {classes_expected}")
+    return train_set, val_set
+
+
+def _normalize():
+    import torchvision.transforms as T
+
+    from app.train.device import IMAGENET_MEAN, IMAGENET_STD
+
+    return T.Normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD)
+
+
+# --- (a) the recipe's hyper-parameters in plain PyTorch ------------------------------------------------
+def run_tuned_plain(tree: str, cfg, *, targets: list[float], threads: int, loader_workers: int,
+                    seed: int) -> dict[str, Any]:
+    import torchvision.transforms as T
+    from torch import nn
+
+    from app.schedule import Schedule
+    from app.train.model import build_model
+
+    if cfg.optim.name != "sgd":
+        raise RuntimeError(f"optim.name={cfg.optim.name}: the plain baseline reproduces SGD recipes only")
+    t_start = time.perf_counter()
+    torch.set_num_threads(threads)
+    final = cfg.schedule.phases[-1]
+    res, batch = final.resolution, final.batch_size
+    eval_res = cfg.schedule.eval_resolution or res
+    norm = _normalize()
+    train_set, val_set = _folders(
+        tree, T.Compose([T.RandomResizedCrop(res, scale=(final.min_scale, 1.0)), T.RandomHorizontalFlip(),
+                         T.ToTensor(), norm]),
+        T.Compose([T.Resize(round(eval_res / cfg.data.val_crop_ratio)), T.CenterCrop(eval_res), T.ToTensor(), norm]),
+        cfg.data.demo_classes)
+    loader_kw = {"num_workers": loader_workers, "persistent_workers": loader_workers > 0}
+    train_loader = torch.utils.data.DataLoader(train_set, batch_size=batch, shuffle=True, drop_last=True,
+                                               **loader_kw)
+    val_loader = torch.utils.data.DataLoader(val_set, batch_size=batch, shuffle=False, **loader_kw)
+    torch.manual_seed(seed)
+    model = build_model(cfg.model, len(train_set.classes))
+    if cfg.model.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    # The usual plain-PyTorch split: 1-d tensors (BN scale/shift, biases) take no weight decay.
+    decay = [p for p in model.parameters() if p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.ndim <= 1]
+    wd = cfg.optim.weight_decay
+    peak = cfg.optim.lr_per_256 * batch / 256
+    opt = torch.optim.SGD([{"params": decay, "weight_decay": wd},
+                           {"params": no_decay, "weight_decay": wd if cfg.optim.bn_bias_decay else 0.0}],
+                          lr=peak, momentum=cfg.optim.momentum, nesterov=cfg.optim.nesterov)
+    # The recipe's curve (warm-up from its start factor, then its decay), by epoch progress, for this epoch count.
+    shape = Schedule(cfg.schedule, cfg.optim, len(train_set)).lr_shape
+
+    def set_lr(epoch: int, step: int, steps_per_epoch: int) -> None:
+        progress = epoch + step / steps_per_epoch
+        momentum = cfg.optim.momentum
+        if cfg.schedule.momentum_schedule:
+            momentum = max(0.0, momentum - 0.1 * shape(progress))
+        for g in opt.param_groups:
+            g["lr"], g["momentum"] = peak * shape(progress), momentum
+
+    history, startup = _plain_loop(model, train_loader, val_loader, opt,
+                                   nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing), set_lr,
+                                   epochs=int(cfg.schedule.epochs), targets=targets,
+                                   channels_last=cfg.model.channels_last, t_start=t_start, label="tuned plain")
+    return _side_result(history, targets, startup, time.perf_counter() - t_start, train_images=len(train_set),
+                        val_images=len(val_set), resolution=res, eval_resolution=eval_res, batch=batch,
+                        lr_peak=peak, threads=torch.get_num_threads(), loader_workers=loader_workers)
+
+
+# --- (b) the PyTorch ImageNet example ---------------------------------------------------------------
+def run_example(tree: str, cfg, *, targets: list[float], lr_per_256: float, threads: int, loader_workers: int,
+                seed: int) -> dict[str, Any]:
+    import torchvision.transforms as T
+    from torch import nn
+
+    from app.config import ModelConfig
+    from app.train.model import build_model
+
+    t_start = time.perf_counter()
+    torch.set_num_threads(threads)
+    res = cfg.schedule.phases[-1].resolution
+    norm = _normalize()
+    train_set, val_set = _folders(
+        tree, T.Compose([T.RandomResizedCrop(res), T.RandomHorizontalFlip(), T.ToTensor(), norm]),
+        T.Compose([T.Resize(round(res / 0.875)), T.CenterCrop(res), T.ToTensor(), norm]), cfg.data.demo_classes)
+    train_loader = torch.utils.data.DataLoader(train_set, batch_size=EXAMPLE_BATCH, shuffle=True,
+                                               num_workers=loader_workers)
+    val_loader = torch.utils.data.DataLoader(val_set, batch_size=EXAMPLE_BATCH, shuffle=False,
+                                             num_workers=loader_workers)
+    torch.manual_seed(seed)
+    model = build_model(ModelConfig(arch=cfg.model.arch, zero_init_residual=False, channels_last=False),
+                        len(train_set.classes))
+    lr = lr_per_256 * EXAMPLE_BATCH / 256
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=1e-4)
+    epochs = int(cfg.schedule.epochs)
+    step_every = max(1, round(0.3 * epochs))
+
+    def set_lr(epoch: int, step: int, steps_per_epoch: int) -> None:
+        for g in opt.param_groups:
+            g["lr"] = lr * 0.1 ** (epoch // step_every)
+
+    history, startup = _plain_loop(model, train_loader, val_loader, opt, nn.CrossEntropyLoss(), set_lr,
+                                   epochs=epochs, targets=targets, channels_last=False, t_start=t_start,
+                                   label=f"pytorch example (lr/256 {lr_per_256:g})")
+    return _side_result(history, targets, startup, time.perf_counter() - t_start, lr_per_256=lr_per_256, lr=lr,
+                        lr_step_every_epochs=step_every)
+
+
+def _example_rank(res: dict[str, Any], targets: list[float]) -> tuple:
+    """Sort key of a sweep run: most targets reached, then sooner to the highest of them, then best top-1."""
+    reached = [t for t in sorted(targets) if res["by_target"][f"{t:g}"]["reached"]]
+    soonest = res["by_target"][f"{reached[-1]:g}"]["train_s"] if reached else 0.0
+    return (-len(reached), soonest, -res["best_top1"])
+
+
+# --- (c) lightray's demo recipe ---------------------------------------------------------------------
+def run_lightray(storage: str, overrides: dict[str, Any], targets: list[float], seed: int) -> dict[str, Any]:
     import ray
 
     from app.config import load_config
     from app.train.runner import run_training
 
-    name = f"tta-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    name = f"tta-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-s{seed}"
     cfg = load_config("demo", {"storage": storage, "name": name, "scaling.ray_address": "local",
-                               "report.targets": list(targets), **overrides})
+                               "scaling.seed": seed, "report.targets": list(targets), **overrides})
     t0_unix, t0 = time.time(), time.perf_counter()
-    try:
-        summary = run_training(cfg, progress=False, stream=sys.stderr)
-    finally:
-        ray.shutdown()
+    # Ray forwards its raylet's and workers' warnings to the driver's stdout; stdout holds only the JSON line.
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            run_training(cfg, progress=False, stream=sys.stderr)
+        finally:
+            ray.shutdown()
     total = time.perf_counter() - t0
     vals = [r for r in read_jsonl(os.path.join(storage, name, "metrics.jsonl")) if "val_top1" in r]
     if not vals:
         raise RuntimeError(f"lightray run {storage}/{name}: no validation records in metrics.jsonl")
-    for r in vals:
-        r["wall_s"] = float(r["time"]) - t0_unix
-    return {**_to_targets(vals, targets, "elapsed_s", "wall_s"), "epochs_run": int(vals[-1]["epoch"]),
-            "best_top1": max(float(r["val_top1"]) for r in vals), "total_wall_s": total,
-            "train_s_total": float(vals[-1]["elapsed_s"]), "workers": cfg.worker_range()[1],
-            "summary_time_to_target_s": summary.get("time_to_target_s"),
-            "top1_per_epoch": [round(float(r["val_top1"]), 4) for r in vals], "run_dir": os.path.join(storage, name)}
+    history = [{"epoch": int(r["epoch"]), "val_top1": float(r["val_top1"]), "train_s": float(r["elapsed_s"]),
+                "wall_s": float(r["time"]) - t0_unix} for r in vals]
+    # Start-up: the wall time not covered by the training clock when the first epoch's record was written.
+    startup = history[0]["wall_s"] - history[0]["train_s"]
+    return _side_result(history, targets, startup, total, workers=cfg.worker_range()[1],
+                        run_dir=os.path.join(storage, name))
+
+
+# --- summaries -----------------------------------------------------------------------------------------
+def summarize_side(runs: list[dict[str, Any]], targets: list[float]) -> dict[str, Any]:
+    """Median/min/max/runs of every figure of one side over the repeats."""
+    out: dict[str, Any] = {key: spread([r[key] for r in runs], 2)
+                           for key in ("startup_s", "total_wall_s", "train_s_total", "train_s_per_epoch")}
+    out["best_top1"] = spread([r["best_top1"] for r in runs], 4)
+    out["epochs_run"] = [r["epochs_run"] for r in runs]
+    out["top1_per_epoch"] = [r["top1_per_epoch"] for r in runs]
+    for key in ("train_s", "wall_s"):
+        out[f"{key}_to_target"] = {f"{t:g}": spread([r["by_target"][f"{t:g}"][key] for r in runs], 2)
+                                   for t in targets}
+    out["reached"] = {f"{t:g}": [r["by_target"][f"{t:g}"]["reached"] for r in runs] for t in targets}
+    out["epochs_to_target"] = {f"{t:g}": [r["by_target"][f"{t:g}"]["epochs"] for r in runs] for t in targets}
+    return out
+
+
+def ratios_against(base_runs: list[dict[str, Any]], light_runs: list[dict[str, Any]], targets: list[float],
+                   prefix: str) -> dict[str, Any]:
+    """``<prefix>_{train,wall}_s.<target>``: baseline over lightray seconds per repeat, then summarised."""
+    out: dict[str, Any] = {}
+    for key in ("train_s", "wall_s"):
+        out[f"{prefix}_{key}"] = {
+            f"{t:g}": resolved_ratio([ratio(b["by_target"][f"{t:g}"][key], lt["by_target"][f"{t:g}"][key])
+                                      for b, lt in zip(base_runs, light_runs)])
+            for t in targets}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--target", type=float, nargs="+", default=[0.5, 0.8],
-                   help="top-1 targets; the highest is the headline figure and ends the baseline")
-    p.add_argument("--baseline-epochs", type=int, default=16, help="cap (and LR-step horizon) of the baseline")
-    p.add_argument("--batch", type=int, default=128, help="baseline batch")
-    p.add_argument("--weight-decay", type=float, default=1e-4, help="baseline weight decay (the example's)")
+    p.add_argument("--target", type=float, nargs="+", default=None,
+                   help="top-1 targets (default: the recipe's report.targets); the highest ends the baselines")
+    p.add_argument("--repeats", type=int, default=None, help="runs of every side (default 3; 1 with --quick)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the first repeat; repeat i uses seed + i")
+    p.add_argument("--plain-threads", type=int, default=None, help="baselines' torch threads (default: cores)")
+    p.add_argument("--plain-loader-workers", type=int, default=None,
+                   help="baselines' DataLoader workers (default: cores)")
+    p.add_argument("--example-lr-per-256", type=float, nargs="+", default=list(EXAMPLE_LRS_PER_256),
+                   help="the PyTorch example's LR sweep, per 256 images (its batch is 128)")
+    p.add_argument("--no-example", action="store_true", help="skip the PyTorch-example baseline")
     p.add_argument("--storage", default=DEFAULT_STORAGE,
                    help="lightray storage; its cache/ holds the demo tree and shard cache, kept between runs")
-    p.add_argument("--quick", action="store_true", help="tiny data, 1 epoch per side: a correctness run")
+    p.add_argument("--quick", action="store_true", help="4 classes, 1,200 images, 8 epochs, 1 repeat: a check")
     args = p.parse_args(argv)
-    for t in args.target:
-        if not 0 < t <= 1:
-            p.error(f"--target={t}: expected a top-1 fraction in (0, 1]")
-    if args.baseline_epochs < 1 or args.batch < 1:
-        p.error("--baseline-epochs and --batch: expected positive integers")
+    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
+    if repeats < 1:
+        p.error(f"--repeats={repeats}: expected a positive integer")
     overrides = quick_overrides() if args.quick else {}
-    if args.quick:
-        args.baseline_epochs, args.batch = 1, 32
 
     from app.config import load_config
 
     demo_cfg = load_config("demo", overrides)
-    resolution = demo_cfg.schedule.eval_resolution or demo_cfg.schedule.phases[-1].resolution
+    targets = sorted(args.target if args.target else list(demo_cfg.report.targets))
+    for t in targets:
+        if not 0 < t <= 1:
+            p.error(f"--target={t}: expected a top-1 fraction in (0, 1]")
+    cores = machine_cores()
+    threads = args.plain_threads or cores
+    loader_workers = cores if args.plain_loader_workers is None else args.plain_loader_workers
     machine = Machine()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     t = time.perf_counter()
     tree = demo_tree(args.storage, overrides)
     demo_s = time.perf_counter() - t
-    note(f"demo tree {tree} ready ({demo_s:.1f} s); lightray demo recipe first (its figure is the one the "
-         "baseline is measured against; the baseline then stops at the target or its cap)")
-    loads = {"lightray_load_1m_at_start": load_avg()}
-    light = run_lightray(args.storage, overrides, args.target)
-    loads["baseline_load_1m_at_start"] = load_avg()
-    note(f"lightray: reached={light['reached']} in {light['train_s_to_target']} s; top-1 per epoch "
-         f"{light['top1_per_epoch']}; baseline: ImageFolder + DataLoader({cores} workers)")
-    base = run_baseline(tree, epochs=args.baseline_epochs, targets=args.target, batch=args.batch,
-                        resolution=resolution, workers=cores, weight_decay=args.weight_decay,
-                        classes_expected=demo_cfg.data.demo_classes)
-    loads["baseline_load_1m_at_end"] = load_avg()
-    note(f"baseline: reached={base['reached']} in {base['train_s_to_target']} s")
+    note(f"demo tree {tree} ready ({demo_s:.1f} s); {repeats} repeat(s); baselines: {threads} torch threads, "
+         f"{loader_workers} loader workers")
 
-    def r2(v: float | None) -> float | None:
-        return None if v is None else round(v, 2)
+    light_runs: list[dict[str, Any]] = []
+    tuned_runs: list[dict[str, Any]] = []
+    example_runs: list[dict[str, Any]] = []
+    sweep: list[dict[str, Any]] = []
+    chosen_lr: float | None = None
+    loads: list[float] = []
+    for rep in range(repeats):
+        seed = args.seed + rep
+        loads.append(load_avg())
+        # Alternate the order of the two main sides: a load drift then favours each of them as often.
+        for side in (("lightray", "tuned_plain") if rep % 2 == 0 else ("tuned_plain", "lightray")):
+            note(f"repeat {rep + 1}/{repeats}: {side} (seed {seed}, load {load_avg()})")
+            if side == "lightray":
+                light_runs.append(run_lightray(args.storage, overrides, targets, seed))
+            else:
+                tuned_runs.append(run_tuned_plain(tree, demo_cfg, targets=targets, threads=threads,
+                                                  loader_workers=loader_workers, seed=seed))
+        if args.no_example:
+            continue
+        if chosen_lr is None:
+            for lr in args.example_lr_per_256:
+                note(f"repeat {rep + 1}: PyTorch example, LR sweep {lr:g} per 256 (load {load_avg()})")
+                sweep.append(run_example(tree, demo_cfg, targets=targets, lr_per_256=lr, threads=threads,
+                                         loader_workers=loader_workers, seed=seed))
+            best = min(sweep, key=lambda r: _example_rank(r, targets))
+            chosen_lr = best["lr_per_256"]
+            example_runs.append(best)
+        else:
+            note(f"repeat {rep + 1}: PyTorch example at the swept LR {chosen_lr:g} per 256 (load {load_avg()})")
+            example_runs.append(run_example(tree, demo_cfg, targets=targets, lr_per_256=chosen_lr, threads=threads,
+                                            loader_workers=loader_workers, seed=seed))
 
-    head = max(args.target)
-    figures: dict[str, Any] = {"target_top1": head, "targets": args.target, "model": "resnet_tiny",
-                               "resolution": resolution, "demo_tree_s": round(demo_s, 1),
-                               "train_images": base["train_images"], "val_images": base["val_images"]}
-    for side, res in (("baseline", base), ("lightray", light)):
-        for key in ("reached", "epochs_to_target", "epochs_run"):
-            figures[f"{side}_{key}"] = res[key]
-        for key in ("train_s_to_target", "wall_s_to_target", "total_wall_s"):
-            figures[f"{side}_{key}"] = r2(res[key])
-        figures[f"{side}_best_top1"] = round(res["best_top1"], 4)
-        figures[f"{side}_top1_per_epoch"] = res["top1_per_epoch"]
-        figures[f"{side}_by_target"] = {k: {kk: r2(vv) if isinstance(vv, float) else vv for kk, vv in v.items()}
-                                        for k, v in res["by_target"].items()}
-    figures.update(baseline_batch=args.batch, baseline_epochs_cap=args.baseline_epochs,
-                   baseline_lr_step_every_epochs=base["lr_step_every_epochs"], baseline_loader_workers=cores,
-                   baseline_processes=1, lightray_workers=light["workers"],
-                   baseline_train_s_total=r2(base["train_s_total"]), lightray_train_s_total=r2(light["train_s_total"]),
-                   lightray_run_dir=light["run_dir"])
-    ratios = {"baseline_over_lightray_train_s_to_target": ratio(base["train_s_to_target"],
-                                                                light["train_s_to_target"]),
-              "baseline_over_lightray_wall_s_to_target": ratio(base["wall_s_to_target"], light["wall_s_to_target"])}
-    # Not the same accuracy (lightray's early epochs are at 32/48 px): cost of a pass over the data, for
-    # runs where a side misses the target and the ratios above are null.
-    ratios["baseline_over_lightray_train_s_per_epoch"] = ratio(base["train_s_total"] / base["epochs_run"],
-                                                               light["train_s_total"] / light["epochs_run"])
-    if light["reached"] and not base["reached"]:  # the baseline's whole run is a floor on its time to target
-        ratios["baseline_over_lightray_train_s_to_target_at_least"] = ratio(base["train_s_total"],
-                                                                            light["train_s_to_target"])
-        ratios["baseline_over_lightray_wall_s_to_target_at_least"] = ratio(base["total_wall_s"],
-                                                                           light["wall_s_to_target"])
-    for t in args.target:  # every target's own ratio (the headline one repeats the two above)
-        b, lt = base["by_target"][f"{t:g}"], light["by_target"][f"{t:g}"]
-        ratios[f"baseline_over_lightray_train_s_to_{t:g}"] = ratio(b["train_s_to_target"], lt["train_s_to_target"])
-    emit("time_to_accuracy", figures, ratios, machine.finish(quick=args.quick, **loads))
+    tuned0 = tuned_runs[0]
+    final = demo_cfg.schedule.phases[-1]
+    figures: dict[str, Any] = {
+        "targets": targets, "repeats": repeats, "seeds": [args.seed + r for r in range(repeats)],
+        "model": demo_cfg.model.arch, "demo_tree_s": round(demo_s, 1), "train_images": tuned0["train_images"],
+        "val_images": tuned0["val_images"], "load_1m_at_repeat_start": loads,
+        "recipe": {"epochs": int(demo_cfg.schedule.epochs), "warmup": demo_cfg.schedule.warmup,
+                   "decay": demo_cfg.schedule.decay, "lr_per_256": demo_cfg.optim.lr_per_256,
+                   "momentum": demo_cfg.optim.momentum, "nesterov": demo_cfg.optim.nesterov,
+                   "weight_decay": demo_cfg.optim.weight_decay, "bn_bias_decay": demo_cfg.optim.bn_bias_decay,
+                   "label_smoothing": demo_cfg.optim.label_smoothing, "final_resolution": final.resolution,
+                   "final_batch": final.batch_size, "final_min_scale": final.min_scale},
+        "lightray": {**summarize_side(light_runs, targets), "workers": light_runs[0]["workers"],
+                     "run_dirs": [r["run_dir"] for r in light_runs]},
+        "tuned_plain": {**summarize_side(tuned_runs, targets), "resolution": tuned0["resolution"],
+                        "eval_resolution": tuned0["eval_resolution"], "batch": tuned0["batch"],
+                        "lr_peak": tuned0["lr_peak"], "threads": tuned0["threads"],
+                        "loader_workers": tuned0["loader_workers"], "processes": 1},
+    }
+    ratios = ratios_against(tuned_runs, light_runs, targets, "vs_tuned_plain")
+    if example_runs:
+        figures["pytorch_example"] = {
+            **summarize_side(example_runs, targets), "lr_per_256": chosen_lr, "batch": EXAMPLE_BATCH,
+            "lr_step_every_epochs": example_runs[0]["lr_step_every_epochs"],
+            "lr_sweep": [{"lr_per_256": r["lr_per_256"], "best_top1": round(r["best_top1"], 4),
+                          "chosen": r["lr_per_256"] == chosen_lr, "top1_per_epoch": r["top1_per_epoch"],
+                          "train_s_to_target": {k: None if v["train_s"] is None else round(v["train_s"], 2)
+                                                for k, v in r["by_target"].items()}} for r in sweep]}
+        ratios.update(ratios_against(example_runs, light_runs, targets, "vs_pytorch_example"))
+    emit("time_to_accuracy", figures, ratios,
+         machine.finish(argv, quick=args.quick, repeats=repeats, plain_threads=threads,
+                        plain_loader_workers=loader_workers))
     return 0
 
 

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from bench.common import emit, module_name, ratio, read_jsonl
+from bench.common import emit, module_name, ratio, read_jsonl, resolved_ratio, spread
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MACHINE_KEYS = {"cores", "memory_gib", "load_avg_1m_at_start", "load_avg_1m_at_end", "torch", "ray", "git",
@@ -36,38 +36,98 @@ def _one_json_line(args: list[str], timeout: int = 900) -> dict:
 
 
 @pytest.mark.slow
-def test_overhead_bench_trains_both_sides_the_same_steps_and_reports_their_ratio():
-    res = _one_json_line(["bench.overhead", "--quick"])
-    fig = res["figures"]
+@pytest.mark.timeout(3600)  # three Ray cluster starts on a shared 2-core machine
+def test_overhead_bench_runs_interleaved_pairs_with_threads_pinned_alike_and_judges_the_spread():
+    check_overhead(_one_json_line(["bench.overhead", "--quick", "--pairs", "3"], timeout=3500))
+
+
+def check_overhead(res: dict) -> None:
+    """What a quick run with 3 pairs must show (also usable on a line saved from a run by hand)."""
+    fig, rat = res["figures"], res["ratios"]
     assert res["bench"] == "overhead"
     assert fig["plain_steps_done"] == fig["steps"] == fig["lightray_steps_done"]
     for side in ("plain", "lightray"):
         assert fig[f"{side}_steps_per_s"] > 0
         first, last = fig[f"{side}_loss_first_last"]
         assert math.isfinite(first) and math.isfinite(last) and 0 < first < 10
-    assert len(fig["plain_steps_per_s_runs"]) == 2
+        assert len(fig[f"{side}_steps_per_s_runs"]) == 3
+        assert fig[f"{side}_torch_threads"] == [1]  # every rank of every run, on both sides
+    assert fig["pair_orders"] == ["plain-lightray", "lightray-plain", "plain-lightray"]
     assert fig["lightray_val_samples"] > 0  # the end-of-epoch validation ran through the in-memory stream
-    want = fig["lightray_steps_per_s"] / fig["plain_steps_per_s"]
-    assert res["ratios"]["lightray_over_plain_steps_per_s"] == pytest.approx(want, rel=0.01)
-    assert res["machine"]["command"] == "python -m bench.overhead --quick"
+    pairs = [lt / pl for lt, pl in zip(fig["lightray_steps_per_s_runs"], fig["plain_steps_per_s_runs"])]
+    assert rat["lightray_over_plain_steps_per_s_pairs"] == pytest.approx(pairs, rel=0.01)
+    assert rat["lightray_over_plain_steps_per_s"] == pytest.approx(sorted(pairs)[1], rel=0.01)  # the median
+    assert rat["lightray_over_plain_steps_per_s_min"] == pytest.approx(min(pairs), rel=0.01)
+    assert rat["lightray_over_plain_steps_per_s_max"] == pytest.approx(max(pairs), rel=0.01)
+    assert rat["spread"] == pytest.approx(max(pairs) - min(pairs), abs=0.01)
+    assert rat["gap"] == pytest.approx(abs(sorted(pairs)[1] - 1), abs=0.01)
+    assert rat["resolved"] is (rat["spread"] <= rat["gap"])
+    assert res["machine"]["command"] == "python -m bench.overhead --quick --pairs 3"
+
+
+def test_resolved_ratio_is_false_when_the_pairs_spread_wider_than_the_gap():
+    noisy = resolved_ratio([0.59, 1.02, 2.03])
+    assert noisy["median"] == 1.02 and noisy["spread"] == pytest.approx(1.44) and noisy["resolved"] is False
+    clear = resolved_ratio([0.80, 0.82, 0.85])
+    assert clear["median"] == 0.82 and clear["gap"] == pytest.approx(0.18) and clear["resolved"] is True
+    assert resolved_ratio([None, None])["resolved"] is False
+
+
+def test_spread_keeps_every_run_and_counts_the_missing_ones():
+    s = spread([3.0, None, 1.0, 2.0, 10.0])
+    assert (s["median"], s["min"], s["max"], s["n"], s["missing"]) == (2.5, 1.0, 10.0, 4, 1)
+    assert s["runs"] == [3.0, None, 1.0, 2.0, 10.0]
 
 
 @pytest.mark.slow
-def test_time_to_accuracy_bench_reaches_a_low_target_on_both_sides(tmp_path):
-    # A target any trained model passes on epoch 1: both sides report a time, so the ratios are numbers.
-    res = _one_json_line(["bench.time_to_accuracy", "--quick", "--target", "0.01", "--storage", str(tmp_path)])
-    fig = res["figures"]
-    assert res["bench"] == "time_to_accuracy"
-    for side in ("baseline", "lightray"):
-        assert fig[f"{side}_reached"] is True and fig[f"{side}_epochs_to_target"] == 1
-        assert 0 < fig[f"{side}_train_s_to_target"] <= fig[f"{side}_wall_s_to_target"] <= fig[f"{side}_total_wall_s"]
-        assert fig[f"{side}_best_top1"] >= 0.01 and len(fig[f"{side}_top1_per_epoch"]) == 1
-    assert fig["val_images"] == 60 and fig["train_images"] == 120  # quick demo: 10 classes x (12 train, 6 val)
-    assert res["ratios"]["baseline_over_lightray_train_s_to_target"] == pytest.approx(
-        fig["baseline_train_s_to_target"] / fig["lightray_train_s_to_target"], rel=0.02)
-    # lightray's run folder holds the validation record the time was read from
-    vals = [r for r in read_jsonl(pathlib.Path(fig["lightray_run_dir"]) / "metrics.jsonl") if "val_top1" in r]
-    assert vals and vals[0]["val_top1"] == pytest.approx(fig["lightray_top1_per_epoch"][0], abs=1e-4)
+@pytest.mark.timeout(3600)
+def test_time_to_accuracy_bench_both_main_sides_learn_well_above_chance_and_ratios_match_their_times(tmp_path):
+    # Quick demo: 4 classes, so chance is 0.25; lightray must reach 0.5 on held-out data.
+    check_time_to_accuracy(_one_json_line(["bench.time_to_accuracy", "--quick", "--target", "0.5", "--storage",
+                                           str(tmp_path)], timeout=3500))
+
+
+def check_time_to_accuracy(res: dict) -> None:
+    """What a quick run with target 0.5 must show (also usable on a line saved from a run by hand)."""
+    fig, rat = res["figures"], res["ratios"]
+    assert res["bench"] == "time_to_accuracy" and fig["targets"] == [0.5] and fig["repeats"] == 1
+    assert fig["val_images"] == 200 and fig["train_images"] == 1200  # quick demo: 4 classes x (300 train, 50 val)
+    light = fig["lightray"]
+    assert light["reached"]["0.5"] == [True] and light["best_top1"]["median"] >= 0.5, light["top1_per_epoch"]
+    # The tuned baseline trains every epoch at the final resolution: measured here it learns more slowly per
+    # epoch (best 0.46 in 8 epochs, where lightray reached 0.84), so only "learned well above chance" is asked.
+    assert fig["tuned_plain"]["best_top1"]["median"] >= 0.4, fig["tuned_plain"]["top1_per_epoch"]
+    for side in ("lightray", "tuned_plain", "pytorch_example"):
+        s = fig[side]
+        assert 0 < s["best_top1"]["median"] <= 1 and s["startup_s"]["median"] >= 0
+        if not s["reached"]["0.5"][0]:
+            continue
+        train, wall = s["train_s_to_target"]["0.5"]["median"], s["wall_s_to_target"]["0.5"]["median"]
+        assert 0 < train <= wall <= s["total_wall_s"]["median"]
+        # lightray's training clock also stops while it checkpoints, so its wall time grows past start-up + train
+        assert wall >= train + s["startup_s"]["median"] - 0.1
+        if side != "lightray":
+            assert wall == pytest.approx(train + s["startup_s"]["median"], abs=0.1)
+    # The tuned baseline runs the recipe's final phase with the recipe's LR rule.
+    recipe, tuned = fig["recipe"], fig["tuned_plain"]
+    assert tuned["resolution"] == recipe["final_resolution"] and tuned["batch"] == recipe["final_batch"]
+    assert tuned["lr_peak"] == pytest.approx(recipe["lr_per_256"] * recipe["final_batch"] / 256)
+    # The example's LR sweep: three values, all reported, the chosen one is the one whose runs are summarised.
+    ex = fig["pytorch_example"]
+    assert [r["lr_per_256"] for r in ex["lr_sweep"]] == [0.1, 0.3, 0.9]
+    assert [r["lr_per_256"] for r in ex["lr_sweep"] if r["chosen"]] == [ex["lr_per_256"]]
+    for name, side in (("vs_tuned_plain", "tuned_plain"), ("vs_pytorch_example", "pytorch_example")):
+        for key in ("train_s", "wall_s"):
+            r = rat[f"{name}_{key}"]["0.5"]
+            if not fig[side]["reached"]["0.5"][0]:
+                assert r["median"] is None and r["missing"] == 1 and r["resolved"] is False
+                continue
+            want = fig[side][f"{key}_to_target"]["0.5"]["median"] / fig["lightray"][f"{key}_to_target"]["0.5"]["median"]
+            assert r["median"] == pytest.approx(want, rel=0.02) and r["missing"] == 0
+            assert r["resolved"] is (r["spread"] <= r["gap"])
+    # lightray's run folder holds the validation records the times were read from
+    vals = [r for r in read_jsonl(pathlib.Path(fig["lightray"]["run_dirs"][0]) / "metrics.jsonl") if "val_top1" in r]
+    assert [round(r["val_top1"], 4) for r in vals] == pytest.approx(fig["lightray"]["top1_per_epoch"][0], abs=1e-4)
 
 
 def test_emit_prints_exactly_one_parseable_line(capsys):
@@ -98,3 +158,34 @@ def test_overhead_rejects_a_warmup_that_is_not_a_report_step():
                           "--report-every", "5"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "--warmup=3" in out.stderr and "multiple of --report-every=5" in out.stderr
+
+
+def _tta_run(times: dict[str, float | None], best: float, lr: float = 0.1) -> dict:
+    return {"by_target": {k: {"reached": v is not None, "train_s": v, "wall_s": None if v is None else v + 10,
+                              "epochs": 1} for k, v in times.items()}, "best_top1": best, "lr_per_256": lr}
+
+
+def test_example_sweep_prefers_more_targets_then_the_sooner_then_the_better_top1():
+    from bench.time_to_accuracy import _example_rank
+
+    targets = [0.5, 0.8]
+    slow_high = _tta_run({"0.5": 5.0, "0.8": 50.0}, 0.85, lr=0.1)
+    fast_high = _tta_run({"0.5": 9.0, "0.8": 30.0}, 0.82, lr=0.3)
+    low_only = _tta_run({"0.5": 1.0, "0.8": None}, 0.7, lr=0.9)
+    none = _tta_run({"0.5": None, "0.8": None}, 0.3, lr=2.0)
+    none_better = _tta_run({"0.5": None, "0.8": None}, 0.4, lr=3.0)
+    runs = [none, low_only, slow_high, none_better, fast_high]
+    assert [r["lr_per_256"] for r in sorted(runs, key=lambda r: _example_rank(r, targets))] == [0.3, 0.1, 0.9, 3.0,
+                                                                                               2.0]
+
+
+def test_time_to_accuracy_ratios_are_baseline_over_lightray_per_repeat_with_misses_counted():
+    from bench.time_to_accuracy import ratios_against
+
+    light = [_tta_run({"0.5": 10.0}, 0.9), _tta_run({"0.5": 20.0}, 0.9), _tta_run({"0.5": 10.0}, 0.9)]
+    base = [_tta_run({"0.5": 30.0}, 0.9), _tta_run({"0.5": 40.0}, 0.9), _tta_run({"0.5": None}, 0.4)]
+    out = ratios_against(base, light, [0.5], "vs_x")
+    train = out["vs_x_train_s"]["0.5"]
+    assert train["runs"] == [3.0, 2.0, None] and train["missing"] == 1 and train["median"] == 2.5
+    assert train["resolved"] is True  # spread 1.0 < gap 1.5
+    assert out["vs_x_wall_s"]["0.5"]["runs"] == [2.0, pytest.approx(50 / 30, abs=1e-3), None]
