@@ -49,7 +49,7 @@ ROOT = pathlib.Path(__file__).parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import Machine, emit, note  # noqa: E402
+from bench.common import Machine, emit, json_stdout, note  # noqa: E402
 from tests.faults import (  # noqa: E402  (the same real cluster + driver helpers as the tests)
     NodeCluster,
     carried_samples,
@@ -337,10 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not kinds:
         p.error(f"--faults: unknown kind(s) {unknown or '(none given)'}; expected some of {','.join(PRIMARY)}")
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
-    # Ray's driver prints node deaths to stdout from a background thread: stdout carries only the JSON line.
-    sys.stdout.flush()
-    json_out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
+    json_out = json_stdout()
     from tests.imds_server import ImdsServer
 
     machine = Machine()

@@ -127,6 +127,31 @@ def kill_processes(procs: list[psutil.Process]) -> None:
             continue
 
 
+def stop_processes(procs: list[psutil.Process], grace_s: float = 10.0) -> None:
+    """SIGTERM each process (as ``ray stop`` does), then SIGKILL whatever is left after ``grace_s``."""
+    for proc in procs:
+        try:
+            proc.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
+
+
+def json_stdout() -> TextIO:
+    """A stream on the original stdout for the bench's one JSON line; fd 1 itself then goes to stderr, since Ray's
+    driver prints (node deaths, worker logs) to stdout from background threads."""
+    sys.stdout.flush()
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    return out
+
+
 def tree_pss_mb(pid: int) -> float:
     """Proportional set size of ``pid`` and every process below it, in MB: shared pages are split among the
     processes sharing them, so forked workers are not counted several times."""

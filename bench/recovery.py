@@ -54,7 +54,7 @@ ROOT = pathlib.Path(__file__).parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import Machine, emit  # noqa: E402
+from bench.common import Machine, emit, json_stdout  # noqa: E402
 from tests.faults import (  # noqa: E402  (the same real cluster + driver helpers as the tests)
     NodeCluster,
     checkpoints,
@@ -232,11 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         p.error(f"--{exc}")
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
-    # Ray's driver prints node deaths (the very thing measured here) to stdout from a background thread: send
-    # everything to stderr while measuring, so that stdout carries only the one JSON line.
-    sys.stdout.flush()
-    json_out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
+    json_out = json_stdout()  # Ray prints the node deaths measured here to stdout
     machine = Machine()
     tmp = tempfile.TemporaryDirectory(prefix="bench-recovery-")
     base = pathlib.Path(args.keep or tmp.name)

@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from app.train.cluster_loss import EXIT_CLUSTER_LOST, ClusterWatch, gcs_reachable, resume_command
+from bench.common import stop_processes
 from tests.faults import checkpoints, driver, kill_group, last_samples, long_run, wait_for
 
 
@@ -52,18 +53,7 @@ class HeadCluster:
             procs = root.children(recursive=True) + [root]
         except psutil.NoSuchProcess:
             procs = []
-        for p in procs:
-            try:
-                p.terminate()
-            except psutil.Error:
-                pass
-        _, alive = psutil.wait_procs(procs, timeout=10)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(alive, timeout=10)
+        stop_processes(procs)
         self.log.close()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 

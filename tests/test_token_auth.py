@@ -24,6 +24,7 @@ import pytest
 import requests
 
 from app.train.cluster_loss import gcs_reachable
+from bench.common import stop_processes
 from tests.faults import wait_for
 
 pytestmark = pytest.mark.slow
@@ -66,17 +67,7 @@ def token_cluster(tmp_path_factory):
     finally:
         root = psutil.Process(head.pid)
         procs = root.children(recursive=True) + [root]
-        for p in procs:
-            try:
-                p.terminate()
-            except psutil.Error:
-                pass
-        _, alive = psutil.wait_procs(procs, timeout=10)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
+        stop_processes(procs)
         log.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
 

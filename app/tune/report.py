@@ -129,7 +129,8 @@ def plot_parallel(path: pathlib.Path, sp: SearchSpace, records: list[dict[str, A
     return path
 
 
-def _fmt(v: Any) -> str:
+def fmt_value(v: Any) -> str:
+    """A table cell: floats to 4 significant digits, None as "-"."""
     if isinstance(v, float):
         return f"{v:.4g}"
     return "-" if v is None else str(v)
@@ -144,9 +145,9 @@ def trial_table(sp: SearchSpace, records: list[dict[str, Any]]) -> str:
     for r in records:
         first = (r.get("startup") or {}).get("first_step_s")
         rung = r.get("stop_rung") if r.get("state") == "EARLY_STOPPED" else "-"
-        cells = [r["trial_id"]] + [_fmt(r["params"].get(k)) for k in keys] + [
-            _fmt(r.get("metric")), _fmt(r.get("time_s")), _fmt(r.get("epochs")), _fmt(r.get("samples_seen")),
-            _fmt(rung), r.get("state", "-"), _fmt(first)]
+        cells = [r["trial_id"]] + [fmt_value(r["params"].get(k)) for k in keys] + [
+            *(fmt_value(r.get(k)) for k in ("metric", "time_s", "epochs", "samples_seen")),
+            fmt_value(rung), r.get("state", "-"), fmt_value(first)]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 

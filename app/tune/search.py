@@ -29,6 +29,7 @@ from ray import tune
 from app.config import Config, ConfigError, config_from_dict
 from app.tune.free import FreeTrialResources, PlacementGroupRecorder
 from app.tune.objective import REACHED, Objective, TrialReportCallback
+from app.tune.report import fmt_value as _fmt
 from app.tune.report import importances, write_search_report
 from app.tune.rungs import TIME_ATTR, make_asha, rung_milestones, stop_rung
 from app.tune.shared import SharedStart, build_shared
@@ -479,12 +480,6 @@ def plot_search(path: pathlib.Path, records: list[dict[str, Any]], sp: SearchSpa
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return "-" if v is None else str(v)
 
 
 def format_table(records: list[dict[str, Any]], sp: SearchSpace) -> str:
