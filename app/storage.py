@@ -24,6 +24,8 @@ from typing import Any, Literal, overload
 
 import pyarrow.fs as pafs
 
+from app.storage_retry import retrying
+
 FileInfo = pafs.FileInfo
 FileType = pafs.FileType
 TMP_MARK = ".tmp-"  # in the hidden temp names of writes in flight: ".<name>.tmp-<tag>"
@@ -60,6 +62,10 @@ def resolve_fs(path: str) -> tuple[pafs.FileSystem, str]:
             # a multipart upload (three requests); larger writes still use multipart.
             path += ("&" if "?" in path else "?") + "allow_delayed_open=true"
         fs, inner = pafs.FileSystem.from_uri(path)
+        # An object store may drop out for a few seconds (a restart, a network blip): calls retry rather than
+        # end the run (app/storage_retry.py). Local paths and file:// URIs answer at once.
+        if not isinstance(fs, pafs.LocalFileSystem):
+            fs = retrying(fs)
         return fs, inner.rstrip("/") or inner
     return pafs.LocalFileSystem(), str(pathlib.Path(path).expanduser().resolve())
 
