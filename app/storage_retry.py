@@ -8,8 +8,8 @@ writes (``checkpoint_manager_snapshot.json``) would fail on the first refused co
 process that writes the run gets the same patience.
 
 Writes are buffered in memory and uploaded at close under the retry (a stream that broke half-way cannot be
-resumed); reads retry the open. Missing files, permissions and the like are answers, not outages: they are
-raised at once.
+resumed); reads retry the open. Missing files, permissions, bad credentials and the like are answers, not
+outages: they are raised at once.
 """
 
 from __future__ import annotations
@@ -30,6 +30,11 @@ MAX_WAIT_S = 10.0
 T = TypeVar("T")
 # OSErrors that are a real answer from the store, never worth a retry.
 _ANSWERS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError)
+# What an outage looks like in the AWS SDK's and curl's messages (a refused or dropped connection, a time-out,
+# throttling, a server error). Anything else (a bad key, a missing bucket, access denied) is an answer too: it
+# is raised at once, not after two minutes of waiting.
+_TRANSIENT = ("connect", "network", "timeout", "timed out", "reset", "unavailable", "slow_down", "throttl",
+              "internal_failure", "internal error", "broken pipe")
 
 
 def with_retry(what: str, fn: Callable[[], T], retry_s: float = RETRY_S) -> T:
@@ -41,7 +46,7 @@ def with_retry(what: str, fn: Callable[[], T], retry_s: float = RETRY_S) -> T:
         except _ANSWERS:
             raise
         except OSError as exc:
-            if time.monotonic() + wait > deadline:
+            if not any(t in str(exc).lower() for t in _TRANSIENT) or time.monotonic() + wait > deadline:
                 raise
             log.warning("storage: %s failed (%s); retrying in %.1f s", what, str(exc).splitlines()[0][:200], wait)
             time.sleep(wait)

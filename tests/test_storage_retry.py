@@ -12,6 +12,7 @@ import time
 import pytest
 
 from app import storage
+from app.storage_retry import with_retry
 from tests.conftest import S3_ENV
 
 OUTAGE_S = 8.0
@@ -85,3 +86,23 @@ def test_the_filesystem_pickles_with_its_retries_for_rays_processes(restartable_
     with again.open_output_stream(f"{inner}/from-a-copy.txt") as out:
         out.write(b"kept")
     assert storage.read_bytes(storage.join(uri, "from-a-copy.txt")) == b"kept"
+
+
+def test_only_outage_errors_are_retried():
+    calls: list[int] = []
+
+    def denied() -> None:
+        calls.append(1)
+        raise OSError("AWS Error ACCESS_DENIED during PutObject operation: Access Denied")
+
+    with pytest.raises(OSError, match="ACCESS_DENIED"):
+        with_retry("write x", denied, retry_s=5.0)
+    assert len(calls) == 1  # an answer, raised at once
+
+    def refused_then_ok() -> str:
+        calls.append(2)
+        if calls.count(2) < 3:
+            raise OSError("AWS Error NETWORK_CONNECTION during PutObject operation: Could not connect")
+        return "ok"
+
+    assert with_retry("write y", refused_then_ok, retry_s=30.0) == "ok" and calls.count(2) == 3

@@ -18,7 +18,7 @@ from typing import Any
 import ray
 import yaml
 
-from app import startup, storage
+from app import startup
 from app.config import Config, default_eval_resolution
 from app.data.ingest import (
     IngestSpec,
@@ -34,7 +34,7 @@ from app.data.shard_cache import default_local_dir
 from app.schedule import Schedule
 from app.storage import join, write_bytes
 from app.train import placement
-from app.train.state import check_checkpoint_format, choose_and_record_resume, list_checkpoints, select_resume
+from app.train.state import check_checkpoint_format, choose_and_record_resume, list_checkpoints, newest_meta
 
 log = logging.getLogger("lightray")
 def default_storage() -> str:
@@ -263,10 +263,9 @@ def _open_run_dir(cfg: Config, resume: bool) -> tuple[str, str]:
     if not resume and list_checkpoints(run_dir):
         raise FileExistsError(f"run {run_dir} already has checkpoints; pass --resume to continue it or use "
                               "another --name")
-    point = select_resume(run_dir) if resume else None
-    if point is not None and point.checkpoint:  # refuse an unsafe format here, once, not in every worker
-        check_checkpoint_format(point.checkpoint, storage.read_json(join(point.checkpoint, "meta_rank0.json")),
-                                cfg.checkpoint.allow_pickle)
+    newest = newest_meta(run_dir) if resume else None
+    if newest is not None:  # refuse an unsafe format here, once, not in every worker; metas only, no hashing
+        check_checkpoint_format(*newest, cfg.checkpoint.allow_pickle)
     return run_dir, local_run_dir
 
 

@@ -130,6 +130,17 @@ def select_resume(run_dir: str) -> ResumePoint:
     return ResumePoint(None, 0, 0, skipped)
 
 
+def newest_meta(run_dir: str) -> tuple[str, dict] | None:
+    """(folder, rank 0's meta) of the newest checkpoint whose meta reads, without hashing any state file: a
+    cheap look at what a resume will meet (the workers check each file they load again)."""
+    for _samples, folder in list_checkpoints(run_dir):
+        try:
+            return folder, storage.read_json(join(folder, "meta_rank0.json"))
+        except (OSError, json.JSONDecodeError):
+            continue
+    return None
+
+
 def choose_and_record_resume(run_dir: str) -> ResumePoint:
     point = select_resume(run_dir)
     write_bytes(join(run_dir, "resume.json"), point.to_json())
