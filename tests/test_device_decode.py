@@ -6,6 +6,7 @@ image skipped without shifting labels, and ``data.decode_on=auto`` on CPU worker
 from __future__ import annotations
 
 import io
+import pathlib
 
 import numpy as np
 import pytest
@@ -65,6 +66,7 @@ def test_device_decode_matches_the_cpu_path_on_prepared_jpeg_shards(jpeg_manifes
     assert ph.shards.fmt == "jpeg" and ph.device_decode and spec.decode_on == "device"
     ev = [e for e in spec.events if e["unit"] == "decode_on"]
     assert ev[0]["on"] == "device" and ev[0]["device"] == "cpu" and "on the CPU device" in ev[0]["message"]
+    assert "on the CPU device" in device_decode.describe(torch.device("cpu"), [0])  # the worker's own line
     blocks = all_blocks(spec)
     got = train_block_batch(blocks, spec=spec, phase=0, rank=0, world_size=1)
     assert got["jpeg"].dtype == object and all(bytes(b[:2]) == b"\xff\xd8" for b in got["jpeg"])  # JPEG SOI
@@ -125,3 +127,25 @@ def test_cpu_decode_rate_times_the_cpu_path_on_a_sample_of_the_tier(jpeg_manifes
     assert len(sample) == 8 and all(d[:2] == b"\xff\xd8" and h > 0 and w > 0 for d, h, w, _ in sample)
     assert autotune.cpu_decode_rate(sample, RES, 0.25, spec.seed, seconds=0.1) > 0
     assert device_decode.decode_rate([d for d, _, _, _ in sample], "cpu", seconds=0.1) > 0
+
+
+def test_auto_takes_the_device_only_when_one_gpu_outdecodes_the_cpus_it_has_for_data():
+    from app.data.autotune import pick_decode
+
+    assert pick_decode(300.0, 5000.0, 12.0) == "device"  # 3,600 img/s from 12 CPUs < 5,000 on the GPU
+    assert pick_decode(300.0, 3000.0, 12.0) == "cpu"
+    assert pick_decode(300.0, 3000.0, 4.0) == "device"  # fewer CPUs per GPU tip the balance
+
+
+def test_gpu_e2e_reports_the_decode_path_each_phase_picked_and_blames_it_when_starved():
+    from bench.gpu_e2e import decode_paths, run_args, starved_by
+
+    assert "--data.decode_on=auto" in run_args(pathlib.Path("src"), pathlib.Path("w"), [(288, 128, 0.5)], 1, False,
+                                               224)
+    recs = [{"event": "unit", "unit": "decode_on", "phase": 2, "on": "device", "cpu_img_s_per_cpu": 310.0,
+             "device_img_s": 9000.0, "cpus_per_gpu": 15.0, "message": "phase 2 (288px): nvJPEG"},
+            {"event": "unit", "unit": "decode_on", "phases": [2], "on": "device", "message": "worker line"},
+            {"event": "unit", "unit": "augment_on", "phase": 0, "on": "device"}]
+    got = decode_paths(recs)
+    assert set(got) == {2} and got[2]["on"] == "device" and got[2]["device_img_s"] == 9000.0
+    assert "decoded on the GPU" in starved_by(0.5, 0.4, 50.0, False, device_decode=True)

@@ -169,7 +169,7 @@ def apply(spec: IngestSpec, *, concurrency: int = 0, cpus: float = 0.0, block_ro
 
 # --- where JPEG tiers are decoded: CPU tasks or the workers' device ------------------------------------------
 DECODE_SAMPLE = 64  # images timed per path: enough for a steady rate, a second or two of start-up
-DEVICE_PROBE_TIMEOUT_S = 120.0  # a GPU task that cannot be placed (all GPUs held) gives up after this
+DEVICE_PROBE_TIMEOUT_S = 30.0  # a GPU task that cannot be placed (all GPUs held) gives up after this
 
 
 @dataclass
@@ -234,8 +234,13 @@ def cuda_decode_rate(encoded: list[bytes], seconds: float = 1.0) -> tuple[float 
         return None, f"the GPU probe failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
 
 
+def pick_decode(cpu_img_s_per_cpu: float, device_img_s: float, cpus_per_gpu: float) -> str:
+    """``device`` when one GPU decodes faster than the CPUs each GPU has for data would, else ``cpu``."""
+    return "device" if device_img_s > cpu_img_s_per_cpu * cpus_per_gpu else "cpu"
+
+
 def choose_decode(spec: IngestSpec, phase: int, want: str, workers_use_cuda: bool, cpus_per_gpu: float,
-                  seconds: float = 1.0) -> DecodeChoice:
+                  seconds: float = 1.0, before_measure: Callable[[], Any] | None = None) -> DecodeChoice:
     """``data.decode_on`` for one JPEG phase. ``auto`` on CUDA workers times both paths on a sample of the tier
     and takes the device when one GPU's decode rate beats the CPU path's rate per CPU times the CPUs each GPU
     has for data; ``auto`` on CPU workers is the CPU (the "device" would be the same cores, minus Ray Data's
@@ -250,6 +255,8 @@ def choose_decode(spec: IngestSpec, phase: int, want: str, workers_use_cuda: boo
         return DecodeChoice("cpu", "data.decode_on=auto and the workers have no GPU: decoding in the worker "
                                    "would use the same CPUs as Ray Data tasks, without their parallelism")
     ph = spec.phases[phase]
+    if before_measure is not None:
+        before_measure()
     sample = sample_encoded(spec, phase)
     cpu = cpu_decode_rate(sample, ph.resolution, ph.min_scale, spec.seed, seconds)
     device, where = cuda_decode_rate([d for d, _, _, _ in sample], seconds)
@@ -257,7 +264,7 @@ def choose_decode(spec: IngestSpec, phase: int, want: str, workers_use_cuda: boo
         return DecodeChoice("cpu", f"data.decode_on=auto: {where}; kept the CPU path", round(cpu, 1), None,
                             round(cpus_per_gpu, 2))
     cpu_total = cpu * cpus_per_gpu
-    on = "device" if device > cpu_total else "cpu"
+    on = pick_decode(cpu, device, cpus_per_gpu)
     return DecodeChoice(on, f"data.decode_on=auto: decode_jpeg on {where} {device:.0f} img/s vs the CPU path "
                             f"{cpu:.0f} img/s per CPU x {cpus_per_gpu:.2g} CPUs per GPU for data = {cpu_total:.0f} "
                             f"img/s on {len(sample)} images of tier {ph.shards.tier}",

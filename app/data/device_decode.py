@@ -50,6 +50,12 @@ def decode(data: list[torch.Tensor], device: torch.device | str) -> tuple[list[t
 
     if not data:
         return [], []
+    device = torch.device(device)
+    if device.type == "cuda":
+        # The CUDA decoder allocates its outputs on the caller's stream but writes them from a stream of its own
+        # without waiting: a block freed by kernels still queued here could be overwritten under them. The
+        # training step already syncs once per step (the loss it logs), so this wait is normally free.
+        torch.cuda.current_stream(device).synchronize()
     try:
         return list(decode_jpeg(data, mode=ImageReadMode.RGB, device=device)), []
     except RuntimeError:

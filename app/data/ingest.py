@@ -349,12 +349,13 @@ def plan_augmentation(spec: IngestSpec, augment_on: str, workers_use_cuda: bool)
 
 
 def plan_decode(spec: IngestSpec, decode_on: str, workers_use_cuda: bool, cpus_per_gpu: float,
-                seconds: float = 1.0) -> None:
+                seconds: float = 1.0, before_measure: Any = None) -> None:
     """Where each JPEG phase is decoded: ``data.decode_on`` resolved per phase (``auto`` times both paths on CUDA
     workers, see :func:`autotune.choose_decode`). Only a JPEG tier read from disk qualifies: a raw tier has
-    nothing to decode and an object-store tier was decoded once at start. Call after :func:`materialize_tiers`."""
+    nothing to decode and an object-store tier was decoded once at start. Call after :func:`materialize_tiers`;
+    ``before_measure`` (the wait for its decode tasks) runs before a timing, so the two do not share the CPUs."""
     where = "cuda" if workers_use_cuda else "cpu"
-    measured: dict[int, autotune.DecodeChoice] = {}
+    measured: dict[tuple[int, int], autotune.DecodeChoice] = {}
     for ph in spec.phases:
         ph.device_decode = False
         if ph.device_augment or ph.shards.fmt != "jpeg" or not ph.shards.uris:
@@ -367,7 +368,7 @@ def plan_decode(spec: IngestSpec, decode_on: str, workers_use_cuda: bool, cpus_p
         # Phases reading one tier at one crop share a measurement; a choice is per tier and crop work.
         key = (ph.shards.tier, ph.resolution)
         choice = measured.get(key) or autotune.choose_decode(spec, ph.index, decode_on, workers_use_cuda,
-                                                             cpus_per_gpu, seconds)
+                                                             cpus_per_gpu, seconds, before_measure)
         measured[key] = choice
         ph.device_decode = choice.on == "device"
         if ph.device_decode:
@@ -403,8 +404,8 @@ def finalize_spec(spec: IngestSpec, data: Any, train_cpus: float, workers_use_cu
         materialize_tiers(spec, data.memory_budget_mb, data.prepare_cpus_per_task, pending, shared_tiers)
     with startup.phase("decode_plan"):
         gpus = ray.cluster_resources().get("GPU", 0.0) if workers_use_cuda else 0.0
-        plan_decode(spec, data.decode_on, workers_use_cuda,
-                    autotune.data_cpus(train_cpus) / max(1.0, gpus))
+        plan_decode(spec, data.decode_on, workers_use_cuda, autotune.data_cpus(train_cpus) / max(1.0, gpus),
+                    before_measure=lambda: ray.get(pending))
     with startup.phase("calibration"):
         autotune.apply(spec, concurrency=data.preprocess_concurrency, cpus=data.preprocess_cpus,
                        block_rows=data.block_rows, seconds=data.autotune_seconds, train_cpus=train_cpus,

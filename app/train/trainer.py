@@ -329,7 +329,9 @@ class Trainer:
             d = device_decode.decode_batch(batch, self.device)
             x = dev.augmented_to_device(d.canvas, d.boxes, d.flips, run.phase.resolution, self.device,
                                         self.cfg.model.channels_last)
-            labels = labels[d.keep]  # an undecodable image is dropped with its label (listed in the log)
+            labels = labels[d.keep]  # an undecodable image is dropped with its label, and listed
+            if d.skipped:
+                self.report({"event": "decode_skipped", "sample_ids": d.skipped, "step": c.step})
         elif "box" in batch:  # the device path: crop, resize and flip the stored pixels here, in one batched op
             x = dev.augmented_to_device(torch.from_numpy(batch["image"]), torch.from_numpy(batch["box"]),
                                         torch.from_numpy(batch["flip"]), run.phase.resolution, self.device,
