@@ -192,6 +192,8 @@ class DataConfig:
     prefetch_batches: Annotated[Int, Range(0, 64)] = 2
     # where training crops run: auto = the workers' device when they use CUDA (raw tiers), else Ray Data tasks
     augment_on: Annotated[Str, OneOf("auto", "cpu", "device")] = "auto"
+    # where JPEG tiers are decoded: auto = timed at start (CPU tasks vs decode_jpeg on the workers' CUDA device)
+    decode_on: Annotated[Str, OneOf("auto", "cpu", "device")] = "auto"
     demo_seed: Int = 0
     demo_classes: Annotated[Int, Range(2, 1000)] = 10
     demo_train_per_class: Annotated[Int, Range(1, 10**6)] = 320

@@ -7,6 +7,8 @@ against the same model on synthetic data already on the device.
    and 288 px phases: a fixed number of steps each (images // batch).
 3. The same model and step on synthetic uint8 batches already on the device (``bench.gpu_throughput``'s
    ``lightray_compile`` variant) at each phase's size and per-GPU batch.
+   JPEG phases (above ``--raw-max``) run with ``data.decode_on=auto``: the start-up times the CPU path against
+   batched nvJPEG on the GPU and picks one; the line says which, with both measurements (``decode_on``).
 4. One JSON line: per phase, end-to-end img/s (median of the report windows after the first, which holds the
    compile), synthetic img/s, their ratio, data-wait fraction, GPU utilisation and peak GPU memory (sampled
    with nvidia-smi while the phase ran), and where the ratio is under 0.9, what starved the phase.
@@ -116,6 +118,7 @@ def run_args(src: pathlib.Path, work: pathlib.Path, phases: list[tuple], gpus: i
             "--gpu", "false" if dry else "true", "--scaling.ray_address=local",
             f"--data.cache_dir={work / 'cache'}", f"--data.local_cache_dir={work / 'local'}",
             f"--data.raw_max_resolution={raw_max}", "--data.val_mode=center", "--data.augment_on=auto",
+            "--data.decode_on=auto",
             "--data.autotune_seconds=0" if dry else "--data.autotune_seconds=4",
             f"--schedule.phases={phase_yaml}", f"--schedule.epochs={len(phases)}", "--schedule.warmup_epochs=0.5",
             f"--schedule.eval_resolution={phases[-1][0]}", "--report.every_steps=5",
@@ -145,7 +148,20 @@ def phase_figures(records: list[dict], phases: list[tuple]) -> dict[int, dict[st
     return out
 
 
-def starved_by(ratio: float | None, wait: float | None, util: float | None, device_aug: bool) -> str | None:
+def decode_paths(records: list[dict]) -> dict[int, dict[str, Any]]:
+    """Per phase index, where its JPEG tier was decoded (the driver's ``decode_on`` unit events): ``on``
+    (cpu | device | object_store), the start-up's two measurements and its reason."""
+    out = {}
+    for r in records:
+        if r.get("event") == "unit" and r.get("unit") == "decode_on" and "phase" in r:
+            out[int(r["phase"])] = {"on": r.get("on"), "cpu_img_s_per_cpu": r.get("cpu_img_s_per_cpu"),
+                                    "device_img_s": r.get("device_img_s"), "cpus_per_gpu": r.get("cpus_per_gpu"),
+                                    "why": r.get("message", "")}
+    return out
+
+
+def starved_by(ratio: float | None, wait: float | None, util: float | None, device_aug: bool,
+               device_decode: bool = False) -> str | None:
     """Why a phase fell short of the goal, from its own evidence; None when it met it."""
     if ratio is None:
         return "no steady report windows: the phase was too short to measure"
@@ -153,8 +169,9 @@ def starved_by(ratio: float | None, wait: float | None, util: float | None, devi
         return None
     if wait is not None and wait > 1 - GOAL:
         where = ("window copies in Ray Data tasks" if device_aug else
+                 "JPEG bytes passed through Ray Data tasks (decoded on the GPU)" if device_decode else
                  "JPEG decode + crop in Ray Data tasks (a raw tier and data.augment_on=device move the crop off the "
-                 "CPUs)")
+                 "CPUs; data.decode_on=device moves a JPEG tier's decode to the GPU)")
         return f"data: the worker waited on Ray Data {wait:.0%} of the time; the CPUs ({os.cpu_count()}) could not " \
                f"keep up with {where}"
     util_s = f"GPU busy {util:.0f}%" if util is not None else "GPU utilisation unknown"
@@ -228,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         records = [json.loads(s) for s in (work / "runs" / "e2e" / "metrics.jsonl").read_text().splitlines() if s]
         device_phases = {r["phase"] for r in records if r.get("event") == "unit" and r.get("unit") == "augment_on"
                          and r.get("on") == "device" and "phase" in r}
+        decode = decode_paths(records)
+        for i, d in sorted(decode.items()):
+            note(f"phase {i} ({phases[i][0]} px) decode: {d['on']} ({d['why']})")
         note("synthetic")
         synth = synthetic(phases, dry)
         per = phase_figures(records, phases)
@@ -238,8 +258,13 @@ def main(argv: list[str] | None = None) -> int:
             util = gpu.between(p["t0"], p["t1"])
             figures["phases"][str(res)] = {
                 "e2e_img_s": e2e, "synthetic_img_s": syn, "ratio": ratio, "data_wait_frac": p["data_wait_frac"],
-                **util, "augment_on": "device" if i in device_phases else "cpu", "windows": p["windows"],
-                "starved_by": starved_by(ratio, p["data_wait_frac"], util["gpu_util_pct"], i in device_phases)}
+                **util, "augment_on": "device" if i in device_phases else "cpu",
+                "decode_on": decode[i]["on"] if i in decode else "raw tier: nothing to decode",
+                "decode_measured": {k: decode[i][k] for k in ("cpu_img_s_per_cpu", "device_img_s", "cpus_per_gpu")}
+                if i in decode else None,
+                "windows": p["windows"],
+                "starved_by": starved_by(ratio, p["data_wait_frac"], util["gpu_util_pct"], i in device_phases,
+                                         decode.get(i, {}).get("on") == "device")}
             ratios[f"e2e_over_synthetic_{res}px"] = ratio
         figures["goal"] = f"end-to-end >= {GOAL} x synthetic in every phase"
         figures["goal_met"] = all(ph["ratio"] is not None and ph["ratio"] >= GOAL for ph in figures["phases"].values())

@@ -28,15 +28,21 @@ files were just written, so "cold" here is not a cold page cache: this bench can
     (pinned and copied to the GPU without blocking when there is one). The batched crop itself
     (``app.train.device.crop_resize_flip``) is timed apart on the bench's device, CUDA when present, else
     the CPU, and labelled so (``device_op_device``): on a GPU it costs the CPUs nothing.
+(f) ``device_decode``: decode on the device from the node-local shard cache of the JPEG tier (the same shards
+    as (c)): the tasks pass each sample's JPEG bytes through with its crop box and flip bit, and the consumer
+    decodes each batch with ``torchvision.io.decode_jpeg`` (batched nvJPEG on CUDA) and crops it with the
+    batched roi_align, as a Train worker does. The consumer's decode is inside the figure: without a GPU it
+    runs on the CPU device, on the same cores as the tasks, and is labelled so (``device_decode_device``). The
+    decode + crop alone is also timed apart on the bench's device (``device_decode_op_<size>px_images_per_s``).
 
 Ratios are lightray over baseline images/s (bigger = lightray faster): ``{shard,object}_vs_dataloader_
 {resized,original}_<size>px`` compare steady passes, ``cold_vs_dataloader_{resized,original}_cold_<size>px``
 the first pass with its preparation. Peak memory is reported for every variant on both sides (``*_peak_mb``).
 
 Per CPU core (``figures.per_core_img_s.<path>.<size>``, delivered images/s over the CPU budget): ``cpu_aug_shard``
-(c), ``cpu_aug_object`` (d) and ``device_aug`` (e); ``figures.cores_per_gpu.<path>`` divides a GPU's appetite
-(``--gpu-img-s``, default the synthetic ResNet-50 figure of ``bash bench/gpu_check.sh`` on one H200 at 224 px)
-by the per-core figure at ``--gpu-img-s-size``.
+(c), ``cpu_aug_object`` (d), ``device_aug`` (e) and ``device_decode`` (f); ``figures.cores_per_gpu.<path>``
+divides a GPU's appetite (``--gpu-img-s``, default the synthetic ResNet-50 figure of ``bash bench/gpu_check.sh``
+on one H200 at 224 px) by the per-core figure at ``--gpu-img-s-size``.
 
 Each lightray figure is measured over ``--epochs`` whole epochs through the real ingest (plan blocks ->
 ``PlanDataConfig`` -> ``iter_batches``), start-up included. Peak memory = the largest sum of the
@@ -257,9 +263,44 @@ def time_device_op(spec, size: int, batches: int = 3) -> tuple[float, str]:
     return batches * len(x) / (time.perf_counter() - t0), device.type
 
 
+def decode_consumer(size: int):
+    """(the consumer of device-decode batches, its device): decode_jpeg + the batched crop on CUDA when
+    present, else on the CPU device in this process, as a Train worker would."""
+    import torch
+
+    from app.data.device_decode import decode_batch
+    from app.train.device import crop_resize_flip
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def consume(batch: dict) -> None:
+        d = decode_batch(batch, device)
+        crop_resize_flip(d.canvas, d.boxes, d.flips, size)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return consume, device.type
+
+
+def time_decode_op(spec, size: int, batches: int = 3) -> float:
+    """Images/s of decode_jpeg + the batched crop alone on one delivered batch (the consumer's work)."""
+    from app.data.ingest import phase_blocks, train_block_batch
+
+    blocks = phase_blocks(spec, 0, 0, 0)[:1]
+    b = train_block_batch({k: np.array([blk[k] for blk in blocks]) for k in ("epoch", "step0", "nsteps")},
+                          spec=spec, phase=0, rank=0, world_size=1)
+    consume, _ = decode_consumer(size)
+    consume(b)  # warm-up: nvJPEG handles, kernel loads, allocator
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        consume(b)
+    return batches * len(b["label"]) / (time.perf_counter() - t0)
+
+
 def per_core(figures: dict, sizes: list[int], cores: int, gpu_img_s: float, gpu_size: int) -> None:
     """Add ``per_core_img_s.<path>.<size>``, ``cores_per_gpu.<path>`` and the basis of the latter."""
-    paths = {"cpu_aug_shard": "shard", "cpu_aug_object": "object", "device_aug": "device"}
+    paths = {"cpu_aug_shard": "shard", "cpu_aug_object": "object", "device_aug": "device",
+             "device_decode": "device_decode"}
     figures["per_core_img_s"] = {p: {str(s): round(figures[f"{v}_{s}px_images_per_s"] / cores, 1) for s in sizes}
                                  for p, v in paths.items()}
     basis = gpu_size if gpu_size in sizes else max(sizes)
@@ -300,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from app.data import shard_cache
-    from app.data.ingest import plan_augmentation
+    from app.data.ingest import plan_augmentation, plan_decode
     from app.data.manifest import Manifest
     from app.data.prepare import prepare
 
@@ -326,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         DataContext.get_current().enable_progress_bars = False
         cache, local = work / "cache", work / "local"
         shutil.rmtree(work / "cache_raw", ignore_errors=True)
+        shutil.rmtree(work / "cache_jpeg", ignore_errors=True)
         shutil.rmtree(cache, ignore_errors=True)
         shutil.rmtree(local, ignore_errors=True)
         with PeakMemory() as mem:
@@ -341,6 +383,13 @@ def main(argv: list[str] | None = None) -> int:
                                                  raw_max_resolution=max(sizes), shard_rows=256, num_cpus=1.0,
                                                  concurrency=cores)))
         figures["prepare_raw_s"] = round(time.perf_counter() - t0, 2)
+        # The device-decode path needs tiers stored as JPEG: sizes at or below the raw threshold get a third cache.
+        jpeg_manifest = manifest
+        if any(manifest.format("train", manifest.tier_for("train", s)) != "jpeg" for s in sizes):
+            t0 = time.perf_counter()
+            jpeg_manifest = Manifest.load(str(prepare(str(src), str(work / "cache_jpeg"), sizes, raw_max_resolution=0,
+                                                      shard_rows=256, num_cpus=1.0, concurrency=cores)))
+            figures["prepare_jpeg_s"] = round(time.perf_counter() - t0, 2)
         n = manifest.num_samples("train")
         for s in sizes:
             # (b) cold: prepare + one epoch that copies each shard to an empty node-local directory.
@@ -372,6 +421,17 @@ def main(argv: list[str] | None = None) -> int:
             figures[f"device_op_{s}px_images_per_s"] = round(op_rate, 1)
             ratios[f"device_aug_over_cpu_aug_{s}px"] = round(rate / max(1e-9, figures[f"shard_{s}px_images_per_s"]), 2)
             del spec
+            # (f) device decode: the JPEG tier's bytes passed through, decoded and cropped by the consumer.
+            spec = _spec(jpeg_manifest, s, str(local), cores, args.epochs, batch)
+            plan_decode(spec, "device", torch.cuda.is_available(), cpus_per_gpu=float(cores))
+            consume, _ = decode_consumer(s)
+            rate, _, peak = lightray_epochs(spec, consume)
+            figures[f"device_decode_{s}px_images_per_s"] = round(rate, 1)
+            figures[f"device_decode_{s}px_peak_mb"] = round(peak)
+            figures[f"device_decode_op_{s}px_images_per_s"] = round(time_decode_op(spec, s), 1)
+            ratios[f"device_decode_over_cpu_aug_{s}px"] = round(
+                rate / max(1e-9, figures[f"shard_{s}px_images_per_s"]), 2)
+            del spec
             for b in ("resized", "original"):
                 base = f"dataloader_{b}_{s}px"
                 for v in ("shard", "object"):
@@ -381,6 +441,10 @@ def main(argv: list[str] | None = None) -> int:
                     figures[f"cold_{s}px_images_per_s"] / figures[f"{base}_cold_images_per_s"], 2)
         figures["device_path_device"] = ("cuda: the crop runs on the GPU" if torch.cuda.is_available() else
                                          "cpu: no GPU here; the device path ran on the CPU device")
+        figures["device_decode_device"] = (
+            "cuda: batched nvJPEG decode + crop on the GPU" if torch.cuda.is_available() else
+            "cpu: no GPU here; decode_jpeg + crop ran on the CPU device in the consumer, on the same cores as the "
+            "Ray Data tasks")
         per_core(figures, sizes, cores, args.gpu_img_s, args.gpu_img_s_size)
     finally:
         if ray.is_initialized():

@@ -47,11 +47,17 @@ def check_pipeline(res: dict) -> None:
     assert not any("over_baseline" in k for k in rat)
     # Per-core figures for every path, the device path labelled with the device it ran on, cores per GPU.
     cores = res["machine"]["cores"]
-    for path, v in (("cpu_aug_shard", "shard"), ("cpu_aug_object", "object"), ("device_aug", "device")):
+    for path, v in (("cpu_aug_shard", "shard"), ("cpu_aug_object", "object"), ("device_aug", "device"),
+                    ("device_decode", "device_decode")):
         assert fig["per_core_img_s"][path]["32"] == pytest.approx(fig[f"{v}_32px_images_per_s"] / cores, abs=0.1)
         assert fig["cores_per_gpu"][path] == pytest.approx(6319 / fig["per_core_img_s"][path]["32"], rel=0.02)
     assert fig["device_op_32px_images_per_s"] > 0 and fig["device_op_device"] in ("cpu", "cuda")
     assert fig["device_path_device"].startswith(fig["device_op_device"])
+    # Device decode: the consumer decoded and cropped every delivered batch, on the device it names.
+    assert fig["device_decode_op_32px_images_per_s"] > 0 and fig["device_decode_32px_peak_mb"] > 0
+    assert fig["device_decode_device"].split(":")[0] == fig["device_op_device"]
+    assert res["ratios"]["device_decode_over_cpu_aug_32px"] == pytest.approx(
+        fig["device_decode_32px_images_per_s"] / fig["shard_32px_images_per_s"], rel=0.02, abs=0.01)
     assert res["ratios"]["device_aug_over_cpu_aug_32px"] == pytest.approx(
         fig["device_32px_images_per_s"] / fig["shard_32px_images_per_s"], rel=0.02, abs=0.01)
 

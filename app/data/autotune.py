@@ -59,6 +59,11 @@ def _calibration_task(spec: IngestSpec, phase: int, start: int, rows: int) -> in
     glob = order[start:start + rows] if start + rows <= len(order) else np.resize(order, rows)
     shard_idx, r = plan.to_shard_row(glob)
     n = 0
+    if ph.device_decode:  # the device-decode path's task work: pass the bytes through, draw the crop
+        for _data, h, w, _label, sid in ph.shards.encoded(spec.local_dir, shard_idx, r, spec.local_max_bytes):
+            augment.draw_crop(augment.sample_rng(spec.seed, 0, sid), w, h, ph.min_scale)
+            n += 1
+        return n
     if ph.device_augment:  # the device path's task work: draw the crop, copy the window onto the canvas
         canvas = np.zeros((*ph.canvas, 3), np.uint8)
         for px, _label, sid in ph.shards.arrays(spec.local_dir, shard_idx, r, spec.local_max_bytes):
@@ -160,3 +165,107 @@ def apply(spec: IngestSpec, *, concurrency: int = 0, cpus: float = 0.0, block_ro
                   f"flight {{{curve}}} with {avail:g} CPUs for data" if choice.curve else ""),
                concurrency=choice.concurrency, cpus=choice.cpus, block_rows=choice.block_rows, curve=choice.curve)
     return choice
+
+
+# --- where JPEG tiers are decoded: CPU tasks or the workers' device ------------------------------------------
+DECODE_SAMPLE = 64  # images timed per path: enough for a steady rate, a second or two of start-up
+DEVICE_PROBE_TIMEOUT_S = 30.0  # a GPU task that cannot be placed (all GPUs held) gives up after this
+
+
+@dataclass
+class DecodeChoice:
+    on: str  # "cpu" | "device"
+    reason: str
+    cpu_img_s_per_cpu: float | None = None  # the CPU path's per-image work (decode, crop, flip) in one process
+    device_img_s: float | None = None  # batched decode_jpeg (+ the canvas paste) on the workers' device
+    cpus_per_gpu: float | None = None
+
+
+def sample_encoded(spec: IngestSpec, phase: int, n: int = DECODE_SAMPLE) -> list[tuple[bytes, int, int, int]]:
+    """(JPEG bytes, height, width, sample id) of the first ``n`` plan positions of epoch 0 of ``phase``."""
+    ph = spec.phases[phase]
+    plan = EpochPlan(ph.shards.rows, spec.seed)
+    shard_idx, rows = plan.to_shard_row(plan.order(0)[:n])
+    return [(data, h, w, sid) for data, h, w, _label, sid in
+            ph.shards.encoded(spec.local_dir, shard_idx, rows, spec.local_max_bytes)]
+
+
+def cpu_decode_rate(sample: list[tuple[bytes, int, int, int]], resolution: int, min_scale: float, seed: int,
+                    seconds: float = 1.0) -> float:
+    """Images/s of the CPU path's per-image work (PIL decode, random-resized-crop, flip) in this one process:
+    the rate one CPU gives when every Data task reserves one."""
+    def once() -> None:
+        for data, h, w, sid in sample:
+            img = augment.decode(data, "jpeg", h, w)
+            augment.train_crop(img, resolution, min_scale, augment.sample_rng(seed, 0, sid))
+
+    once()  # warm-up: PIL's codec, the allocator
+    n, t0 = 0, time.perf_counter()
+    while True:
+        once()
+        n += len(sample)
+        if time.perf_counter() - t0 >= seconds:
+            return n / (time.perf_counter() - t0)
+
+
+def _device_rate_task(encoded: list[bytes], seconds: float) -> float:
+    import torch
+
+    from app.data.device_decode import decode_rate
+
+    return decode_rate(encoded, torch.device("cuda"), seconds)
+
+
+def cuda_decode_rate(encoded: list[bytes], seconds: float = 1.0) -> tuple[float | None, str]:
+    """(images/s of batched nvJPEG decode on a CUDA device, where it was timed), or (None, why not): in this
+    process when it sees a GPU (a single-node run), else in a Ray task holding one GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return _device_rate_task(encoded, seconds), "cuda (driver process)"
+    task = ray.remote(num_gpus=1, max_retries=0)(_device_rate_task)
+    ref = task.remote(encoded, seconds)
+    try:
+        return float(ray.get(ref, timeout=DEVICE_PROBE_TIMEOUT_S)), "cuda (a one-GPU Ray task)"
+    except ray.exceptions.GetTimeoutError:
+        ray.cancel(ref, force=True)
+        return None, f"no GPU free for a probe within {DEVICE_PROBE_TIMEOUT_S:.0f} s"
+    except ray.exceptions.RayError as exc:
+        return None, f"the GPU probe failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+
+
+def pick_decode(cpu_img_s_per_cpu: float, device_img_s: float, cpus_per_gpu: float) -> str:
+    """``device`` when one GPU decodes faster than the CPUs each GPU has for data would, else ``cpu``."""
+    return "device" if device_img_s > cpu_img_s_per_cpu * cpus_per_gpu else "cpu"
+
+
+def choose_decode(spec: IngestSpec, phase: int, want: str, workers_use_cuda: bool, cpus_per_gpu: float,
+                  seconds: float = 1.0, before_measure: Callable[[], Any] | None = None) -> DecodeChoice:
+    """``data.decode_on`` for one JPEG phase. ``auto`` on CUDA workers times both paths on a sample of the tier
+    and takes the device when one GPU's decode rate beats the CPU path's rate per CPU times the CPUs each GPU
+    has for data; ``auto`` on CPU workers is the CPU (the "device" would be the same cores, minus Ray Data's
+    parallelism); ``cpu`` / ``device`` force it (``device`` on CPU workers decodes on the CPU device in the
+    Train worker: for tests and the bench)."""
+    if want == "cpu":
+        return DecodeChoice("cpu", "data.decode_on=cpu")
+    if want == "device":
+        return DecodeChoice("device", "data.decode_on=device" +
+                            ("" if workers_use_cuda else "; the workers' device is the CPU: decode_jpeg on the CPU"))
+    if not workers_use_cuda:
+        return DecodeChoice("cpu", "data.decode_on=auto and the workers have no GPU: decoding in the worker "
+                                   "would use the same CPUs as Ray Data tasks, without their parallelism")
+    ph = spec.phases[phase]
+    if before_measure is not None:
+        before_measure()
+    sample = sample_encoded(spec, phase)
+    cpu = cpu_decode_rate(sample, ph.resolution, ph.min_scale, spec.seed, seconds)
+    device, where = cuda_decode_rate([d for d, _, _, _ in sample], seconds)
+    if device is None:
+        return DecodeChoice("cpu", f"data.decode_on=auto: {where}; kept the CPU path", round(cpu, 1), None,
+                            round(cpus_per_gpu, 2))
+    cpu_total = cpu * cpus_per_gpu
+    on = pick_decode(cpu, device, cpus_per_gpu)
+    return DecodeChoice(on, f"data.decode_on=auto: decode_jpeg on {where} {device:.0f} img/s vs the CPU path "
+                            f"{cpu:.0f} img/s per CPU x {cpus_per_gpu:.2g} CPUs per GPU for data = {cpu_total:.0f} "
+                            f"img/s on {len(sample)} images of tier {ph.shards.tier}",
+                        round(cpu, 1), round(device, 1), round(cpus_per_gpu, 2))

@@ -30,10 +30,13 @@ def machine_fingerprint() -> dict[str, Any]:
 
 def key_for(spec: Any, phase: int, avail_cpus: float, seconds: float, pinned_concurrency: int | None) -> dict:
     ph = spec.phases[phase]
-    return {"version": VERSION, "shards": hashlib.sha256("".join(ph.shards.sha256).encode()).hexdigest(),
+    key = {"version": VERSION, "shards": hashlib.sha256("".join(ph.shards.sha256).encode()).hexdigest(),
             "resolution": ph.resolution, "min_scale": ph.min_scale, "level": ph.shards.level,
             "avail_cpus": round(float(avail_cpus), 3), "seconds": float(seconds),
             "pinned_concurrency": pinned_concurrency, "machine": machine_fingerprint()}
+    if getattr(ph, "device_decode", False):  # same shards, other task work (bytes passed through, no decode)
+        key["work"] = "device_decode"
+    return key
 
 
 def path_for(local_dir: str, key: dict) -> str:

@@ -47,6 +47,8 @@ def train_block_batch(blocks: dict, *, spec: IngestSpec, phase: int, rank: int, 
     ph = spec.phases[phase]
     if ph.device_augment:
         return device_block_batch(blocks, spec=spec, phase=phase, rank=rank, world_size=world_size)
+    if ph.device_decode:
+        return jpeg_block_batch(blocks, spec=spec, phase=phase, rank=rank, world_size=world_size)
     plan = EpochPlan(ph.shards.rows, spec.seed)
     lo, hi = rank_slice(ph.batch_size, world_size, rank)
     out_img, out_lab, out_id, out_epoch = [], [], [], []
@@ -100,6 +102,27 @@ def device_block_batch(blocks: dict, *, spec: IngestSpec, phase: int, rank: int,
             labels[i], ids[i], epochs[i] = label, sid, epoch
             i += 1
     return {"image": images, "box": boxes, "flip": flips, "label": labels, "sample_id": ids, "epoch": epochs}
+
+
+def jpeg_block_batch(blocks: dict, *, spec: IngestSpec, phase: int, rank: int, world_size: int) -> dict:
+    """The device-decode path's map: each sample's stored JPEG bytes, untouched, with its crop box (in stored-image
+    pixels) and flip bit drawn from (seed, epoch, sample id) exactly as the CPU path draws them; the worker
+    decodes, crops, resizes and flips the batch on its device (``app.data.device_decode``)."""
+    ph = spec.phases[phase]
+    pos = list(rank_positions(blocks, spec, phase, rank, world_size))
+    n = sum(len(rows) for _, _, rows in pos)
+    jpeg = np.empty(n, dtype=object)
+    boxes = np.zeros((n, 4), np.float32)
+    flips = np.zeros(n, bool)
+    labels, ids, epochs = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64)
+    i = 0
+    for epoch, shard_idx, rows in pos:
+        for data, h, w, label, sid in ph.shards.encoded(spec.local_dir, shard_idx, rows, spec.local_max_bytes):
+            box, flips[i] = augment.draw_crop(augment.sample_rng(spec.seed, epoch, sid), w, h, ph.min_scale)
+            jpeg[i], boxes[i] = data, box
+            labels[i], ids[i], epochs[i] = label, sid, epoch
+            i += 1
+    return {"jpeg": jpeg, "box": boxes, "flip": flips, "label": labels, "sample_id": ids, "epoch": epochs}
 
 
 def val_block_batch(blocks: dict, *, spec: IngestSpec, rank: int, world_size: int, resolution: int) -> dict:
@@ -325,6 +348,42 @@ def plan_augmentation(spec: IngestSpec, augment_on: str, workers_use_cuda: bool)
                    canvas=list(ph.canvas) if ph.device_augment else None)
 
 
+def plan_decode(spec: IngestSpec, decode_on: str, workers_use_cuda: bool, cpus_per_gpu: float,
+                seconds: float = 1.0, before_measure: Any = None) -> None:
+    """Where each JPEG phase is decoded: ``data.decode_on`` resolved per phase (``auto`` times both paths on CUDA
+    workers, see :func:`autotune.choose_decode`). Only a JPEG tier read from disk qualifies: a raw tier has
+    nothing to decode and an object-store tier was decoded once at start. Call after :func:`materialize_tiers`;
+    ``before_measure`` (the wait for its decode tasks) runs before a timing, so the two do not share the CPUs."""
+    where = "cuda" if workers_use_cuda else "cpu"
+    measured: dict[tuple[int, int], autotune.DecodeChoice] = {}
+    for ph in spec.phases:
+        ph.device_decode = False
+        if ph.device_augment or ph.shards.fmt != "jpeg" or not ph.shards.uris:
+            continue
+        if ph.shards.refs is not None:
+            spec.event("decode_on", f"phase {ph.index} ({ph.resolution}px): decoded once at start into the object "
+                                    f"store (tier {ph.shards.tier}): nothing left to decode per epoch",
+                       phase=ph.index, on="object_store", device=where)
+            continue
+        # Phases reading one tier at one crop share a measurement; a choice is per tier and crop work.
+        key = (ph.shards.tier, ph.resolution)
+        choice = measured.get(key) or autotune.choose_decode(spec, ph.index, decode_on, workers_use_cuda,
+                                                             cpus_per_gpu, seconds, before_measure)
+        measured[key] = choice
+        ph.device_decode = choice.on == "device"
+        if ph.device_decode:
+            how = ("batched nvJPEG on the workers' GPU" if workers_use_cuda else
+                   "decode_jpeg on the CPU device in the Train worker (the device path on the CPU device)")
+            msg = (f"phase {ph.index} ({ph.resolution}px): JPEG tier {ph.shards.tier} decoded by {how}, then "
+                   f"crop+resize+flip there; tasks pass the bytes through ({choice.reason})")
+        else:
+            msg = f"phase {ph.index} ({ph.resolution}px): JPEG decode in Ray Data tasks on the CPU ({choice.reason})"
+        spec.event("decode_on", msg, phase=ph.index, on=choice.on, device=where,
+                   cpu_img_s_per_cpu=choice.cpu_img_s_per_cpu, device_img_s=choice.device_img_s,
+                   cpus_per_gpu=choice.cpus_per_gpu)
+    spec.decode_on = "device" if any(ph.device_decode for ph in spec.phases) else "cpu"
+
+
 def finalize_spec(spec: IngestSpec, data: Any, train_cpus: float, workers_use_cuda: bool = False,
                   shared_tiers: dict[str, list] | None = None) -> None:
     """The start-up steps that need the cluster, in order: where augmentation runs, rect validation plan,
@@ -343,6 +402,10 @@ def finalize_spec(spec: IngestSpec, data: Any, train_cpus: float, workers_use_cu
     pending: list = []
     with startup.phase("materialisation"):
         materialize_tiers(spec, data.memory_budget_mb, data.prepare_cpus_per_task, pending, shared_tiers)
+    with startup.phase("decode_plan"):
+        gpus = ray.cluster_resources().get("GPU", 0.0) if workers_use_cuda else 0.0
+        plan_decode(spec, data.decode_on, workers_use_cuda, autotune.data_cpus(train_cpus) / max(1.0, gpus),
+                    before_measure=lambda: ray.get(pending))
     with startup.phase("calibration"):
         autotune.apply(spec, concurrency=data.preprocess_concurrency, cpus=data.preprocess_cpus,
                        block_rows=data.block_rows, seconds=data.autotune_seconds, train_cpus=train_cpus,

@@ -214,6 +214,10 @@ class ParquetShard(ShardView):
         return augment.decode(data if self.fmt == "raw" else bytes(data), self.fmt,
                               int(self.heights[row]), int(self.widths[row]))
 
+    def encoded(self, row: int) -> bytes:
+        """The row's stored bytes as written by prepare (a JPEG, or raw pixels)."""
+        return bytes(self._data[int(self._offsets[row]):int(self._offsets[row + 1])])
+
     def pixels(self, row: int) -> np.ndarray:
         if self.fmt != "raw":
             return np.asarray(self.image(row))

@@ -46,6 +46,14 @@ class TierShards:
             view = self.shard(s, local_dir, max_bytes)
             yield view.image(r), int(view.labels[r]), int(view.ids[r])
 
+    def encoded(self, local_dir: str, shard_idx: np.ndarray, rows: np.ndarray,
+                max_bytes: int = 0) -> Iterator[tuple[bytes, int, int, int, int]]:
+        """(stored bytes, height, width, label, sample id) for (shard, row) pairs: no decode (device decode)."""
+        for s, r in zip(shard_idx.tolist(), rows.tolist()):
+            view = self.shard(s, local_dir, max_bytes)
+            yield (view.encoded(r), int(view.heights[r]), int(view.widths[r]), int(view.labels[r]),
+                   int(view.ids[r]))
+
     def arrays(self, local_dir: str, shard_idx: np.ndarray, rows: np.ndarray,
                max_bytes: int = 0) -> Iterator[tuple[np.ndarray, int, int]]:
         """(HWC uint8 pixels, label, sample id) for (shard, row) pairs; a view without a copy for raw tiers."""
@@ -67,6 +75,9 @@ class PhaseSpec:
     # its crop box and flip bit; the worker crops, resizes and flips the batch on its device.
     device_augment: bool = False
     canvas: tuple[int, int] = (0, 0)  # (h, w) of every shipped image when device_augment
+    # Device decode (JPEG tiers read from disk): tasks ship each sample's JPEG bytes, crop box and flip bit; the
+    # worker decodes the batch on its device (decode_jpeg), then crops it as device augmentation does.
+    device_decode: bool = False
 
 
 @dataclass
@@ -85,6 +96,7 @@ class IngestSpec:
     map_concurrency: int | None = None  # tasks in flight, all ranks together; None = Ray Data's default
     prefetch_batches: int = 2
     augment_on: str = "cpu"  # resolved data.augment_on: where training crops run ("cpu" | "device")
+    decode_on: str = "cpu"  # resolved data.decode_on: where JPEG tiers are decoded ("cpu" | "device")
     block_rows: int = BLOCK_ROWS
     val_mode: str = "center"
     val_order: np.ndarray | None = None  # rect: val rows (global index) sorted by aspect ratio

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from app.config import Config, Phase, config_from_dict
+from app.data import device_decode
 from app.data.ingest import IngestSpec
 from app.data.plan import rank_slice
 from app.report.runlog import get_runlog
@@ -323,13 +324,21 @@ class Trainer:
         lr, mom = self.sched.lr_at(c.samples_seen), self.sched.momentum_at(c.samples_seen)
         self.comm.begin_step(c.samples_seen / self.spec.train_size)  # epochs seen drive the sparsity warm-up
         set_lr_momentum(self.optimizer, lr, self.comm.optimizer_momentum(mom))  # 0 under momentum correction
-        if "box" in batch:  # the device path: crop, resize and flip the stored pixels here, in one batched op
+        labels = batch["label"]
+        if "jpeg" in batch:  # device decode: decode_jpeg on this device, then the device path's batched crop
+            d = device_decode.decode_batch(batch, self.device)
+            x = dev.augmented_to_device(d.canvas, d.boxes, d.flips, run.phase.resolution, self.device,
+                                        self.cfg.model.channels_last)
+            labels = labels[d.keep]  # an undecodable image is dropped with its label, and listed
+            if d.skipped:
+                self.report({"event": "decode_skipped", "sample_ids": d.skipped, "step": c.step})
+        elif "box" in batch:  # the device path: crop, resize and flip the stored pixels here, in one batched op
             x = dev.augmented_to_device(torch.from_numpy(batch["image"]), torch.from_numpy(batch["box"]),
                                         torch.from_numpy(batch["flip"]), run.phase.resolution, self.device,
                                         self.cfg.model.channels_last)
         else:
             x = dev.images_to_device(torch.from_numpy(batch["image"]), self.device, self.cfg.model.channels_last)
-        y = dev.host_to_device(torch.from_numpy(batch["label"]), self.device)
+        y = dev.host_to_device(torch.from_numpy(labels), self.device)
         with dev.autocast(self.precision, self.device):
             loss = self.loss_fn(self.forward(x), y)
         self.optimizer.zero_grad(set_to_none=True)
@@ -386,6 +395,10 @@ class Trainer:
         (which cache level serves each phase, preprocessing autotune, rect val)."""
         dev.log_augment_placement(self.spec.augment_on, self.device,
                                   [ph.index for ph in self.spec.phases if ph.device_augment])
+        decoded_here = [ph.index for ph in self.spec.phases if ph.device_decode]
+        if decoded_here:
+            dev.unit_log("decode_on", device_decode.describe(self.device, decoded_here), on="device",
+                         device=self.device.type, phases=decoded_here)
         events = dev.pop_unit_events() + [
             {"unit": "fusion", "message": f"DDP bucket {self.bucket_mb:.2f} MB", "evidence": self.bucket_evidence},
             {"unit": "comm", "message": self.comm.describe()}] + list(self.spec.events)

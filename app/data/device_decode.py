@@ -1,0 +1,137 @@
+"""Decode on the device for JPEG tiers: Ray Data tasks pass each sample's encoded bytes through (with its crop box
+and flip bit, drawn as every other path draws them), and the Train worker decodes the batch with one
+``torchvision.io.decode_jpeg`` call on its device (batched nvJPEG on CUDA; libjpeg-turbo on the CPU device, the
+same library PIL uses, so the pixels there are the CPU path's).
+
+The decoded images differ in size, so they are pasted top-left onto one zeroed canvas per batch with the row and
+column after each image repeating its last ones: the batched crop (``app.train.device.crop_resize_flip``) then
+samples edge pixels as PIL's clamp does, exactly as on the windows the device-augmentation path ships.
+
+A bad image (bytes that fail to decode: a damaged shard, since prepare rejects bad files) fails the whole
+batched call, so that batch is decoded again image by image; the bad ones are dropped with their labels (the
+rest keep theirs: no shift), logged and listed in :data:`SKIPPED`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+SKIPPED: list[int] = []  # sample ids this process could not decode, in the order met
+
+
+@dataclass
+class DecodedBatch:
+    canvas: torch.Tensor  # uint8 NHWC on the device (a view of NCHW memory), kept samples only
+    boxes: torch.Tensor  # (n, 4) float32 crop boxes in canvas pixels (the canvas is top-left aligned)
+    flips: torch.Tensor  # (n,) bool
+    keep: np.ndarray  # bool over the delivered batch: False where the bytes did not decode
+    skipped: list[int]  # sample ids dropped from this batch
+
+
+def as_tensors(encoded: np.ndarray | list) -> list[torch.Tensor]:
+    """Each sample's bytes as a 1-D uint8 CPU tensor, without a copy (decode_jpeg only reads them)."""
+    with warnings.catch_warnings():
+        # bytes are read-only; torch warns that writing through the tensor would be undefined: nothing writes.
+        warnings.simplefilter("ignore", UserWarning)
+        return [torch.frombuffer(b, dtype=torch.uint8) if len(b) else torch.zeros(0, dtype=torch.uint8)
+                for b in encoded]
+
+
+def decode(data: list[torch.Tensor], device: torch.device | str) -> tuple[list[torch.Tensor | None], list[int]]:
+    """(CHW uint8 RGB images on ``device``, None where undecodable; indices of the undecodable ones)."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    if not data:
+        return [], []
+    device = torch.device(device)
+    if device.type == "cuda":
+        # The CUDA decoder allocates its outputs on the caller's stream but writes them from a stream of its own
+        # without waiting: a block freed by kernels still queued here could be overwritten under them. The
+        # training step already syncs once per step (the loss it logs), so this wait is normally free.
+        torch.cuda.current_stream(device).synchronize()
+    try:
+        return list(decode_jpeg(data, mode=ImageReadMode.RGB, device=device)), []
+    except RuntimeError:
+        pass  # one bad image fails the whole batched call: find it image by image
+    out: list[torch.Tensor | None] = []
+    bad: list[int] = []
+    for i, t in enumerate(data):
+        try:
+            out.append(decode_jpeg(t, mode=ImageReadMode.RGB, device=device))
+        except RuntimeError:
+            out.append(None)
+            bad.append(i)
+    return out, bad
+
+
+def paste(images: list[torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    """CHW images onto one (n, 3, H+1, W+1) canvas, top-left, each with its last row and column repeated once."""
+    h = max(int(im.shape[1]) for im in images) + 1
+    w = max(int(im.shape[2]) for im in images) + 1
+    canvas = torch.zeros((len(images), 3, h, w), dtype=torch.uint8, device=device)
+    for i, im in enumerate(images):
+        ih, iw = int(im.shape[1]), int(im.shape[2])
+        canvas[i, :, :ih, :iw] = im
+        canvas[i, :, ih, :iw] = im[:, ih - 1]
+        canvas[i, :, :ih + 1, iw] = canvas[i, :, :ih + 1, iw - 1]
+    return canvas
+
+
+def decode_batch(batch: dict, device: torch.device | str) -> DecodedBatch:
+    """A delivered device-decode batch (``jpeg``, ``box``, ``flip``, ``sample_id``) decoded and pasted on
+    ``device``; the boxes are in stored-image pixels, which are the canvas's (top-left aligned)."""
+    device = torch.device(device)
+    images, bad = decode(as_tensors(batch["jpeg"]), device)
+    keep = np.ones(len(images), bool)
+    skipped: list[int] = []
+    if bad:
+        keep[bad] = False
+        skipped = [int(batch["sample_id"][i]) for i in bad]
+        SKIPPED.extend(skipped)
+        log.warning("device decode: %d image(s) of a batch of %d did not decode (a damaged shard?); skipped "
+                    "sample ids %s", len(bad), len(images), skipped)
+    kept = [im for im in images if im is not None]
+    if not kept:
+        raise RuntimeError(f"device decode: no image of a batch of {len(images)} decoded (sample ids {skipped})")
+    canvas = paste(kept, device)
+    boxes = torch.from_numpy(np.ascontiguousarray(batch["box"][keep], dtype=np.float32)).to(device)
+    flips = torch.from_numpy(np.ascontiguousarray(batch["flip"][keep], dtype=bool)).to(device)
+    return DecodedBatch(canvas.permute(0, 2, 3, 1), boxes, flips, keep, skipped)
+
+
+def describe(device: torch.device, phases: list[int]) -> str:
+    """The worker's log line for where its JPEG phases are decoded (labelled when the device is the CPU)."""
+    how = "batched nvJPEG" if device.type == "cuda" else "libjpeg-turbo (the device path on the CPU device)"
+    return (f"JPEG decode of phases {phases} as one decode_jpeg call per batch on {device} ({how}), then "
+            f"crop+resize+flip as one roi_align")
+
+
+def decode_rate(encoded: list[bytes], device: torch.device | str, seconds: float = 1.0, batch: int = 64) -> float:
+    """Images/s of batched decode (plus the canvas paste) of ``encoded`` on ``device``, after one warm-up batch
+    (nvJPEG's handles, the allocator); at least one timed batch, more until ``seconds`` have passed."""
+    device = torch.device(device)
+    data = as_tensors(encoded[:batch])
+    if not data:
+        return 0.0
+
+    def once() -> None:
+        images, _ = decode(data, device)
+        paste([im for im in images if im is not None], device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    once()
+    n, t0 = 0, time.perf_counter()
+    while True:
+        once()
+        n += len(data)
+        if time.perf_counter() - t0 >= seconds:
+            break
+    return n / (time.perf_counter() - t0)

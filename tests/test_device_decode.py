@@ -1,0 +1,151 @@
+"""Decode on the device for JPEG tiers: Ray Data tasks ship the stored JPEG bytes with each sample's crop box and
+flip bit, the worker decodes the batch with decode_jpeg (the CPU device here) and crops it with the device path's
+batched roi_align; checked against the CPU path's PIL decode + crop of the same prepared shards, with a damaged
+image skipped without shifting labels, and ``data.decode_on=auto`` on CPU workers keeping the CPU path."""
+
+from __future__ import annotations
+
+import io
+import pathlib
+
+import numpy as np
+import pytest
+import ray
+import torch
+from PIL import Image
+
+from app.data import augment, device_decode
+from app.data.demo import generate_demo
+from app.data.ingest import IngestSpec, PhaseSpec, phase_blocks, plan_decode, tier_shards, train_block_batch
+from app.data.manifest import Manifest
+from app.data.prepare import prepare
+from app.train import device as dev
+
+RES = 48  # output size; the stored JPEG tier is 64 px short side, so crops both shrink and grow
+
+
+@pytest.fixture(scope="module")
+def jpeg_manifest(tmp_path_factory) -> Manifest:
+    if ray.is_initialized():
+        ray.shutdown()
+    try:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    except Exception:  # "node timed out during startup" on a loaded machine: one more try
+        ray.shutdown()
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    root = tmp_path_factory.mktemp("device-decode")
+    src = generate_demo(root / "src", num_classes=3, train_per_class=16, val_per_class=2, processes=1)
+    # raw_max_resolution=0: every tier is stored as JPEG, as tiers above data.raw_max_resolution are.
+    man = Manifest.load(str(prepare(str(src), str(root / "cache"), [64], raw_max_resolution=0, shard_rows=16)))
+    yield man
+    ray.shutdown()
+
+
+def make_spec(manifest: Manifest, local_dir: str, decode_on: str, cuda: bool) -> IngestSpec:
+    spec = IngestSpec(seed=5, local_dir=local_dir, train_size=manifest.num_samples("train"),
+                      phases=[PhaseSpec(0, RES, 16, 0.25, 0, 2, tier_shards(manifest, "train", 64))],
+                      val=tier_shards(manifest, "val", 64), eval_resolution=RES, val_crop_ratio=0.875)
+    plan_decode(spec, decode_on, cuda, cpus_per_gpu=2.0, seconds=0.2)
+    return spec
+
+
+def all_blocks(spec: IngestSpec) -> dict:
+    blocks = phase_blocks(spec, 0, 0, 0)
+    return {k: np.array([b[k] for b in blocks]) for k in ("epoch", "step0", "nsteps")}
+
+
+def device_crops(batch: dict) -> tuple[np.ndarray, device_decode.DecodedBatch]:
+    d = device_decode.decode_batch(batch, "cpu")
+    out = dev.crop_resize_flip(d.canvas, d.boxes, d.flips, RES)
+    return out.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy().astype(np.float64), d
+
+
+def test_device_decode_matches_the_cpu_path_on_prepared_jpeg_shards(jpeg_manifest, tmp_path):
+    spec = make_spec(jpeg_manifest, str(tmp_path / "local"), "device", cuda=False)
+    ph = spec.phases[0]
+    assert ph.shards.fmt == "jpeg" and ph.device_decode and spec.decode_on == "device"
+    ev = [e for e in spec.events if e["unit"] == "decode_on"]
+    assert ev[0]["on"] == "device" and ev[0]["device"] == "cpu" and "on the CPU device" in ev[0]["message"]
+    assert "on the CPU device" in device_decode.describe(torch.device("cpu"), [0])  # the worker's own line
+    blocks = all_blocks(spec)
+    got = train_block_batch(blocks, spec=spec, phase=0, rank=0, world_size=1)
+    assert got["jpeg"].dtype == object and all(bytes(b[:2]) == b"\xff\xd8" for b in got["jpeg"])  # JPEG SOI
+
+    ph.device_decode = False  # the CPU path (PIL decode + crop in the task) over the very same blocks
+    cpu = train_block_batch(blocks, spec=spec, phase=0, rank=0, world_size=1)
+    assert (cpu["sample_id"] == got["sample_id"]).all() and (cpu["epoch"] == got["epoch"]).all()
+    assert (cpu["label"] == got["label"]).all()
+
+    # The boxes and flips are the draws of (seed, epoch, sample id), in stored-image pixels.
+    for i, (sid, epoch) in enumerate(zip(got["sample_id"].tolist(), got["epoch"].tolist())):
+        w, h = Image.open(io.BytesIO(got["jpeg"][i])).size
+        box, flip = augment.draw_crop(augment.sample_rng(spec.seed, epoch, sid), w, h, ph.min_scale)
+        assert np.allclose(got["box"][i], box, atol=1e-3) and bool(got["flip"][i]) == flip
+    assert 0 < got["flip"].sum() < len(got["flip"])  # both flip values were exercised
+
+    crops, d = device_crops(got)
+    assert d.keep.all() and not d.skipped
+    ref = cpu["image"].astype(np.float64)
+    err = np.abs(crops - ref).mean(axis=(1, 2, 3))
+    err_flipped = np.abs(crops[:, :, ::-1] - ref).mean(axis=(1, 2, 3))
+    assert err.mean() < 6.0 and err.max() < 12.0, (err.mean(), err.max())
+    assert (err < err_flipped).all(), np.flatnonzero(err >= err_flipped)  # flips agree
+    assert abs(crops.mean() - ref.mean()) < 2.0  # same brightness overall: same decode (libjpeg-turbo both)
+
+    # A damaged image: the batch decodes image by image, the bad one is dropped and listed, no label shifts.
+    bad = got["jpeg"].copy()
+    bad[3] = bad[3][:len(bad[3]) // 3]
+    crops_bad, d_bad = device_crops({**got, "jpeg": bad})
+    assert d_bad.skipped == [int(got["sample_id"][3])] and int(got["sample_id"][3]) in device_decode.SKIPPED
+    assert not d_bad.keep[3] and d_bad.keep.sum() == len(bad) - 1
+    assert np.array_equal(crops_bad, crops[d_bad.keep])  # every other sample keeps its own crop (and label)
+
+
+def test_decode_on_auto_keeps_the_cpu_path_on_cpu_workers_and_says_why(jpeg_manifest, tmp_path):
+    spec = make_spec(jpeg_manifest, str(tmp_path / "local"), "auto", cuda=False)
+    assert not spec.phases[0].device_decode and spec.decode_on == "cpu"
+    ev = [e for e in spec.events if e["unit"] == "decode_on"]
+    assert len(ev) == 1 and ev[0]["on"] == "cpu" and ev[0]["device"] == "cpu"
+    assert "decode_on=auto and the workers have no GPU" in ev[0]["message"]
+    got = train_block_batch(all_blocks(spec), spec=spec, phase=0, rank=0, world_size=1)
+    assert "jpeg" not in got and got["image"].shape[1:] == (RES, RES, 3)
+    # cpu forces the CPU path on CUDA workers too; an object-store tier has nothing left to decode.
+    assert not make_spec(jpeg_manifest, str(tmp_path / "local"), "cpu", cuda=True).phases[0].device_decode
+    spec = IngestSpec(seed=5, local_dir=str(tmp_path / "local"), train_size=jpeg_manifest.num_samples("train"),
+                      phases=[PhaseSpec(0, RES, 16, 0.25, 0, 2, tier_shards(jpeg_manifest, "train", 64))],
+                      val=tier_shards(jpeg_manifest, "val", 64), eval_resolution=RES, val_crop_ratio=0.875)
+    spec.phases[0].shards.refs = []
+    plan_decode(spec, "device", False, cpus_per_gpu=2.0)
+    assert not spec.phases[0].device_decode and spec.events[-1]["on"] == "object_store"
+
+
+def test_cpu_decode_rate_times_the_cpu_path_on_a_sample_of_the_tier(jpeg_manifest, tmp_path):
+    from app.data import autotune
+
+    spec = make_spec(jpeg_manifest, str(tmp_path / "local"), "cpu", cuda=False)
+    sample = autotune.sample_encoded(spec, 0, n=8)
+    assert len(sample) == 8 and all(d[:2] == b"\xff\xd8" and h > 0 and w > 0 for d, h, w, _ in sample)
+    assert autotune.cpu_decode_rate(sample, RES, 0.25, spec.seed, seconds=0.1) > 0
+    assert device_decode.decode_rate([d for d, _, _, _ in sample], "cpu", seconds=0.1) > 0
+
+
+def test_auto_takes_the_device_only_when_one_gpu_outdecodes_the_cpus_it_has_for_data():
+    from app.data.autotune import pick_decode
+
+    assert pick_decode(300.0, 5000.0, 12.0) == "device"  # 3,600 img/s from 12 CPUs < 5,000 on the GPU
+    assert pick_decode(300.0, 3000.0, 12.0) == "cpu"
+    assert pick_decode(300.0, 3000.0, 4.0) == "device"  # fewer CPUs per GPU tip the balance
+
+
+def test_gpu_e2e_reports_the_decode_path_each_phase_picked_and_blames_it_when_starved():
+    from bench.gpu_e2e import decode_paths, run_args, starved_by
+
+    assert "--data.decode_on=auto" in run_args(pathlib.Path("src"), pathlib.Path("w"), [(288, 128, 0.5)], 1, False,
+                                               224)
+    recs = [{"event": "unit", "unit": "decode_on", "phase": 2, "on": "device", "cpu_img_s_per_cpu": 310.0,
+             "device_img_s": 9000.0, "cpus_per_gpu": 15.0, "message": "phase 2 (288px): nvJPEG"},
+            {"event": "unit", "unit": "decode_on", "phases": [2], "on": "device", "message": "worker line"},
+            {"event": "unit", "unit": "augment_on", "phase": 0, "on": "device"}]
+    got = decode_paths(recs)
+    assert set(got) == {2} and got[2]["on"] == "device" and got[2]["device_img_s"] == 9000.0
+    assert "decoded on the GPU" in starved_by(0.5, 0.4, 50.0, False, device_decode=True)
