@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -232,8 +232,15 @@ def _samples(unit: dict[str, Any], fs: pafs.FileSystem, base: str
                for (sid, path, _size, label), (data, reason) in zip(entries, pool.map(fetch, entries)))
 
 
-def _map_unit(row: dict[str, Any]) -> dict[str, Any]:
-    return {"sidecar": json.dumps(build_shard(json.loads(row["unit"])))}
+def _map_unit(row: dict[str, Any], tables: dict[str, Any] | None = None) -> dict[str, Any]:
+    unit = json.loads(row["unit"])
+    if "rows" in unit:  # an ImageFolder shard: rows [lo, hi) of its split's plan table, in the object store
+        import ray
+
+        lo, hi = unit.pop("rows")
+        cols = ray.get(tables[unit["split"]]).slice(lo, hi - lo).to_pydict()
+        unit.update(ids=cols["sample_id"], paths=cols["path"], sizes=cols["size"], labels=cols["label"])
+    return {"sidecar": json.dumps(build_shard(unit))}
 
 
 # --- the driver ----------------------------------------------------------------------------------
@@ -249,6 +256,9 @@ class _Cache:
     base: str  # ``location`` inside ``fs``
     tiers: list[int]
     formats: dict[int, str]
+    # ImageFolder splits in shard order (sample_id, path, size, label): unit j of a split is rows
+    # [j * shard_rows, (j + 1) * shard_rows). Filled by _plan_shards.
+    plans: dict[str, pa.Table] = field(default_factory=dict)
 
 
 def _sizes(fs: pafs.FileSystem, folder: str) -> dict[str, int]:
@@ -314,26 +324,31 @@ def _plan_shards(cache: _Cache, limit: dict[str, int] | None, shard_rows: int, j
     if isinstance(cache.listing, RowListing):
         return _plan_row_shards(cache, limit, shard_rows, jpeg_quality)
     units: list[dict[str, Any]] = []
-    for split, entries in sorted(cache.listing.splits.items()):
-        # Columns, not a Python list per entry: at a million files the per-entry lists (and the garbage
-        # collector walking them) were most of the driver's planning time.
-        n = len(entries)
-        paths = np.fromiter((e.path for e in entries), dtype=object, count=n)
-        sizes = np.fromiter((e.size for e in entries), dtype=np.int64, count=n)
-        labels = np.fromiter((e.label for e in entries), dtype=np.int64, count=n)
-        ids = selected_ids(n, (limit or {}).get(split, 0))
+    for split, files in sorted(cache.listing.splits.items()):
+        ids = selected_ids(len(files), (limit or {}).get(split, 0))
         # Shards get a seeded random mix of the listing (sorted by class): a shard of consecutive entries
         # would hold one or two classes, and the epoch plan reads shard by shard. Sample ids stay the
         # listing indices, so labels and ids never depend on this order.
         order = ids[shard_order(len(ids), split)]
+        # The plan is the listing's columns taken in shard order: units carry row ranges of it, never
+        # per-file lists, so the driver holds no per-file Python objects at any size.
+        taken = files.table.take(pa.array(order))
+        cache.plans[split] = pa.table({"sample_id": pa.array(order), "path": taken.column("path"),
+                                       "size": taken.column("size"), "label": taken.column("label")})
         for j, lo in enumerate(range(0, len(order), shard_rows)):
-            sel = order[lo:lo + shard_rows]
+            hi = min(lo + shard_rows, len(order))
             units.append({"split": split, "index": j, "source": cache.listing.root, "out_dir": cache.location,
                           "tiers": cache.tiers, "formats": {str(t): f for t, f in cache.formats.items()},
-                          "jpeg_quality": int(jpeg_quality), "io_threads": int(io_threads), "listed": len(sel),
-                          "ids": sel.tolist(), "paths": paths[sel].tolist(), "sizes": sizes[sel].tolist(),
-                          "labels": labels[sel].tolist()})
+                          "jpeg_quality": int(jpeg_quality), "io_threads": int(io_threads), "listed": hi - lo,
+                          "rows": [lo, hi]})
     return units
+
+
+def unit_rows(cache: _Cache, unit: dict[str, Any]) -> list[tuple[int, str, int, int]]:
+    """(sample_id, path, size, label) of one planned ImageFolder unit: that shard's files only."""
+    lo, hi = unit["rows"]
+    cols = cache.plans[unit["split"]].slice(lo, hi - lo).to_pydict()
+    return list(zip(cols["sample_id"], cols["path"], cols["size"], cols["label"]))
 
 
 def _plan_row_shards(cache: _Cache, limit: dict[str, int] | None, shard_rows: int,
@@ -404,8 +419,10 @@ def _clear_for_rebuild(cache: _Cache, sizes: dict[str, int]) -> None:
 
 
 def _build_shards(todo: list[dict[str, Any]], done: dict[str, dict[str, Any]], num_cpus: float,
-                  concurrency: int | None, progress: Callable[[int, int], None] | None, t0: float) -> int:
-    """Build the missing shards as Ray Data tasks, adding each sidecar to ``done``; returns how many."""
+                  concurrency: int | None, progress: Callable[[int, int], None] | None, t0: float,
+                  plans: dict[str, pa.Table] | None = None) -> int:
+    """Build the missing shards as Ray Data tasks, adding each sidecar to ``done``; returns how many. Units
+    with ``rows`` read their files from ``plans``, put in the object store once (workers map it, no copy)."""
     if not todo:
         return 0
     import ray  # deferred: listing errors and cache hits must not pay for starting Ray
@@ -417,8 +434,11 @@ def _build_shards(todo: list[dict[str, Any]], done: dict[str, dict[str, Any]], n
         # Fractional CPUs keep prepare schedulable beside Train workers, but more tasks than logical CPUs
         # only adds worker processes (each pays the imports) competing for the same cores.
         concurrency = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    needed = {u["split"] for u in todo if "rows" in u}
+    # Nested in a dict so Ray Data passes the refs as they are; each task gets the one of its split.
+    refs = {split: ray.put(table) for split, table in (plans or {}).items() if split in needed}
     ds = ray.data.from_items([{"unit": json.dumps(u)} for u in todo], override_num_blocks=len(todo))
-    ds = ds.map(_map_unit, num_cpus=num_cpus, concurrency=min(concurrency, len(todo)))
+    ds = ds.map(_map_unit, fn_kwargs={"tables": refs}, num_cpus=num_cpus, concurrency=min(concurrency, len(todo)))
     step = max(1, len(todo) // 10)
     built = 0
     for row in ds.iter_rows():
@@ -485,7 +505,7 @@ def prepare(source: str, cache_root: str, tiers: list[int], *, jpeg_quality: int
     else:
         log.info("prepare: building %s: %d shards x %d tiers %s from %s", cache.location, len(units),
                  len(cache.tiers), cache.tiers, listing.root)
-    built = _build_shards(todo, done, num_cpus, concurrency, progress, t0)
+    built = _build_shards(todo, done, num_cpus, concurrency, progress, t0, cache.plans)
     _write_manifest(cache, units, done, built, t0)
     return _as_result(cache.location)
 
