@@ -238,8 +238,10 @@ def _map_unit(row: dict[str, Any], tables: dict[str, Any] | None = None) -> dict
         import ray
 
         lo, hi = unit.pop("rows")
-        cols = ray.get(tables[unit["split"]]).slice(lo, hi - lo).to_pydict()
-        unit.update(ids=cols["sample_id"], paths=cols["path"], sizes=cols["size"], labels=cols["label"])
+        plan = ray.get(tables[unit["split"]])
+        ids = plan["order"][lo:hi]
+        cols = plan["files"].take(pa.array(ids)).to_pydict()
+        unit.update(ids=ids.tolist(), paths=cols["path"], sizes=cols["size"], labels=cols["label"])
     return {"sidecar": json.dumps(build_shard(unit))}
 
 
@@ -256,9 +258,9 @@ class _Cache:
     base: str  # ``location`` inside ``fs``
     tiers: list[int]
     formats: dict[int, str]
-    # ImageFolder splits in shard order (sample_id, path, size, label): unit j of a split is rows
-    # [j * shard_rows, (j + 1) * shard_rows). Filled by _plan_shards.
-    plans: dict[str, pa.Table] = field(default_factory=dict)
+    # Per ImageFolder split, the listing indices (sample ids) in shard order: unit j of a split covers
+    # order[j * shard_rows:(j + 1) * shard_rows]. Filled by _plan_shards.
+    orders: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def _sizes(fs: pafs.FileSystem, folder: str) -> dict[str, int]:
@@ -329,12 +331,9 @@ def _plan_shards(cache: _Cache, limit: dict[str, int] | None, shard_rows: int, j
         # Shards get a seeded random mix of the listing (sorted by class): a shard of consecutive entries
         # would hold one or two classes, and the epoch plan reads shard by shard. Sample ids stay the
         # listing indices, so labels and ids never depend on this order.
-        order = ids[shard_order(len(ids), split)]
-        # The plan is the listing's columns taken in shard order: units carry row ranges of it, never
-        # per-file lists, so the driver holds no per-file Python objects at any size.
-        taken = files.table.take(pa.array(order))
-        cache.plans[split] = pa.table({"sample_id": pa.array(order), "path": taken.column("path"),
-                                       "size": taken.column("size"), "label": taken.column("label")})
+        # Units carry ranges of this order, never per-file lists: the driver holds the listing's columns
+        # and 8 bytes a file here, and each task takes its own rows (see _map_unit).
+        cache.orders[split] = order = ids[shard_order(len(ids), split)]
         for j, lo in enumerate(range(0, len(order), shard_rows)):
             hi = min(lo + shard_rows, len(order))
             units.append({"split": split, "index": j, "source": cache.listing.root, "out_dir": cache.location,
@@ -347,8 +346,9 @@ def _plan_shards(cache: _Cache, limit: dict[str, int] | None, shard_rows: int, j
 def unit_rows(cache: _Cache, unit: dict[str, Any]) -> list[tuple[int, str, int, int]]:
     """(sample_id, path, size, label) of one planned ImageFolder unit: that shard's files only."""
     lo, hi = unit["rows"]
-    cols = cache.plans[unit["split"]].slice(lo, hi - lo).to_pydict()
-    return list(zip(cols["sample_id"], cols["path"], cols["size"], cols["label"]))
+    ids = cache.orders[unit["split"]][lo:hi]
+    entries = cache.listing.splits[unit["split"]].rows(ids)
+    return [(sid, e.path, e.size, e.label) for sid, e in zip(ids.tolist(), entries)]
 
 
 def _plan_row_shards(cache: _Cache, limit: dict[str, int] | None, shard_rows: int,
@@ -420,9 +420,10 @@ def _clear_for_rebuild(cache: _Cache, sizes: dict[str, int]) -> None:
 
 def _build_shards(todo: list[dict[str, Any]], done: dict[str, dict[str, Any]], num_cpus: float,
                   concurrency: int | None, progress: Callable[[int, int], None] | None, t0: float,
-                  plans: dict[str, pa.Table] | None = None) -> int:
+                  cache: _Cache | None = None) -> int:
     """Build the missing shards as Ray Data tasks, adding each sidecar to ``done``; returns how many. Units
-    with ``rows`` read their files from ``plans``, put in the object store once (workers map it, no copy)."""
+    with ``rows`` find their files in the split's listing table and shard order, put in the object store
+    once per split (workers map it, no copy)."""
     if not todo:
         return 0
     import ray  # deferred: listing errors and cache hits must not pay for starting Ray
@@ -436,7 +437,8 @@ def _build_shards(todo: list[dict[str, Any]], done: dict[str, dict[str, Any]], n
         concurrency = max(1, int(ray.cluster_resources().get("CPU", 1)))
     needed = {u["split"] for u in todo if "rows" in u}
     # Nested in a dict so Ray Data passes the refs as they are; each task gets the one of its split.
-    refs = {split: ray.put(table) for split, table in (plans or {}).items() if split in needed}
+    refs = {split: ray.put({"files": cache.listing.splits[split].table, "order": cache.orders[split]})
+            for split in sorted(needed)} if cache is not None else {}
     ds = ray.data.from_items([{"unit": json.dumps(u)} for u in todo], override_num_blocks=len(todo))
     ds = ds.map(_map_unit, fn_kwargs={"tables": refs}, num_cpus=num_cpus, concurrency=min(concurrency, len(todo)))
     step = max(1, len(todo) // 10)
@@ -505,7 +507,7 @@ def prepare(source: str, cache_root: str, tiers: list[int], *, jpeg_quality: int
     else:
         log.info("prepare: building %s: %d shards x %d tiers %s from %s", cache.location, len(units),
                  len(cache.tiers), cache.tiers, listing.root)
-    built = _build_shards(todo, done, num_cpus, concurrency, progress, t0, cache.plans)
+    built = _build_shards(todo, done, num_cpus, concurrency, progress, t0, cache)
     _write_manifest(cache, units, done, built, t0)
     return _as_result(cache.location)
 

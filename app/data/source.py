@@ -49,7 +49,7 @@ class SourceEntry:
 
 SPLIT_SCHEMA = pa.schema([("path", pa.string()), ("size", pa.int64()), ("mtime_ns", pa.int64()),
                           ("label", pa.int32())])
-_ROW_BATCH = 1 << 16  # rows turned into Python objects (or hashed) at a time
+_ROW_BATCH = 1 << 13  # rows turned into Python objects (or hashed) at a time: small transients
 
 
 class SplitTable:
@@ -82,7 +82,7 @@ class SplitTable:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, SplitTable) and self.table.equals(other.table)
 
-    __hash__ = None  # mutable-looking container semantics, like the list it replaces
+    __hash__ = None  # unhashable, like the list it replaces
 
     def __repr__(self) -> str:
         return f"SplitTable({len(self)} files)"
@@ -239,7 +239,7 @@ def _list_split(fs: pafs.FileSystem, split_dir: str, split: str) -> dict[str, pa
     top = storage.list_dir(split_dir, detail=True, fs=fs)
     names = [i.base_name for i in top if i.type == pafs.FileType.Directory and not _hidden(i.base_name)]
 
-    def one(name: str) -> tuple[str, pa.Table]:
+    def one(name: str) -> tuple[list[str], list[int], list[int]]:
         class_dir = f"{split_dir}/{name}"
         paths, sizes, mtimes = [], [], []
         for fi in storage.list_dir(class_dir, detail=True, recursive=True, fs=fs):
@@ -249,13 +249,18 @@ def _list_split(fs: pafs.FileSystem, split_dir: str, split: str) -> dict[str, pa
             paths.append(f"{split}/{name}/{rel}")
             sizes.append(int(fi.size or 0))
             mtimes.append(int(fi.mtime_ns if fi.mtime_ns is not None else 0))
-        return name, pa.table({"path": pa.array(paths, pa.string()), "size": pa.array(sizes, pa.int64()),
-                               "mtime_ns": pa.array(mtimes, pa.int64())})
+        return paths, sizes, mtimes
 
     if not names:
         return {}
+    out = {}
     with ThreadPoolExecutor(min(LIST_THREADS, len(names))) as pool:
-        return dict(pool.map(one, names))
+        # Columns are built here, on this thread, as each class arrives: Arrow's allocator keeps a heap per
+        # thread, and arrays made in 32 short-lived listing threads left their pages behind in the driver.
+        for name, (paths, sizes, mtimes) in zip(names, pool.map(one, names)):
+            out[name] = pa.table({"path": pa.array(paths, pa.string()), "size": pa.array(sizes, pa.int64()),
+                                  "mtime_ns": pa.array(mtimes, pa.int64())})
+    return out
 
 
 def detect_kind(root: str) -> str:
