@@ -10,7 +10,9 @@ Layout (docs/INTERFACES.md, "Shard cache")::
 ``key`` = sha256(source listing (paths, sizes, mtimes) + every preprocessing parameter), so a rerun
 with the same inputs finds the finished manifest and does nothing, and any change gets a fresh folder.
 
-Work: one Ray Data task per shard (``shard_rows`` consecutive entries of the sorted listing). The task
+Work: one Ray Data task per shard (``shard_rows`` entries of the listing, in a seeded mix). The driver
+holds the listing as columns and the shard order as one integer array; a unit carries a range of that
+order, and its task takes its files from the listing table, put once in the object store. The task
 reads each source file once, decodes it once (JPEG draft mode for the largest tier), derives the
 smaller tiers from that image, and writes one Parquet file per tier. Because one task writes every tier
 of a shard, row i of shard j is the same sample at every tier. Each file is written to a temp name and
