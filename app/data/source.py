@@ -4,8 +4,9 @@
 The listing is the identity of the source: every file's relative path, size and modification time go
 into the shard cache key, so a changed, added or removed image gives a new cache. It is sorted and
 stable, so ``sample_id`` (an entry's index in its split) means the same file on every run and machine.
-Each split is a columnar table (:class:`SplitTable`), not one Python object per file: ImageNet's 1.28 M
-files cost about 80 bytes each as Arrow columns against several hundred as per-file objects.
+Each split is a columnar table (:class:`SplitTable`), not one Python object per file: a file costs the
+bytes of its path plus 20 as Arrow columns, against about 350 bytes as a per-file object (measured at
+160 k files), which for ImageNet's 1.28 M files is tens of MB rather than hundreds.
 All checks happen here, on the driver, before any Ray worker starts: a bad tree fails in seconds with
 a message naming the path, not minutes later inside a task.
 """
