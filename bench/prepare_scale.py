@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import multiprocessing
 import os
 import tempfile
@@ -30,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-from bench.common import Machine, emit, note, ratio
+from bench.common import Machine, emit, load_avg, note, ratio
 
 TIERS = [32, 64]
 RAW_MAX = 32
@@ -197,6 +198,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for n in sizes:
                 note(f"prepare {n} files in {args.classes} classes")
                 per_size.append(measure_size(tmp, n, args.classes, pool))
+                note(f"{n} files: {json.dumps(per_size[-1])} (load {load_avg()})")  # kept if a later step dies
             ray.shutdown()  # the pool gets the CPUs to itself, as lightray had
             note(f"plain multiprocessing.Pool({args.cpus}) on the {sizes[0]} files")
             pool_s = pool_prepare(f"{tmp}/src-{sizes[0]}", f"{tmp}/pool", args.cpus)

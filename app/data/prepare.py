@@ -10,7 +10,9 @@ Layout (docs/INTERFACES.md, "Shard cache")::
 ``key`` = sha256(source listing (paths, sizes, mtimes) + every preprocessing parameter), so a rerun
 with the same inputs finds the finished manifest and does nothing, and any change gets a fresh folder.
 
-Work: one Ray Data task per shard (``shard_rows`` consecutive entries of the sorted listing). The task
+Work: one Ray Data task per shard (``shard_rows`` entries of the listing, in a seeded mix). The driver
+holds the listing as columns and the shard order as one integer array; a unit carries a range of that
+order, and its task takes its files from the listing table, put once in the object store. The task
 reads each source file once, decodes it once (JPEG draft mode for the largest tier), derives the
 smaller tiers from that image, and writes one Parquet file per tier. Because one task writes every tier
 of a shard, row i of shard j is the same sample at every tier. Each file is written to a temp name and
@@ -30,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -232,8 +234,17 @@ def _samples(unit: dict[str, Any], fs: pafs.FileSystem, base: str
                for (sid, path, _size, label), (data, reason) in zip(entries, pool.map(fetch, entries)))
 
 
-def _map_unit(row: dict[str, Any]) -> dict[str, Any]:
-    return {"sidecar": json.dumps(build_shard(json.loads(row["unit"])))}
+def _map_unit(row: dict[str, Any], tables: dict[str, Any] | None = None) -> dict[str, Any]:
+    unit = json.loads(row["unit"])
+    if "rows" in unit:  # an ImageFolder shard: rows [lo, hi) of its split's plan table, in the object store
+        import ray
+
+        lo, hi = unit.pop("rows")
+        plan = ray.get(tables[unit["split"]])
+        ids = plan["order"][lo:hi]
+        cols = plan["files"].take(pa.array(ids)).to_pydict()
+        unit.update(ids=ids.tolist(), paths=cols["path"], sizes=cols["size"], labels=cols["label"])
+    return {"sidecar": json.dumps(build_shard(unit))}
 
 
 # --- the driver ----------------------------------------------------------------------------------
@@ -249,6 +260,9 @@ class _Cache:
     base: str  # ``location`` inside ``fs``
     tiers: list[int]
     formats: dict[int, str]
+    # Per ImageFolder split, the listing indices (sample ids) in shard order: unit j of a split covers
+    # order[j * shard_rows:(j + 1) * shard_rows]. Filled by _plan_shards.
+    orders: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def _sizes(fs: pafs.FileSystem, folder: str) -> dict[str, int]:
@@ -314,26 +328,29 @@ def _plan_shards(cache: _Cache, limit: dict[str, int] | None, shard_rows: int, j
     if isinstance(cache.listing, RowListing):
         return _plan_row_shards(cache, limit, shard_rows, jpeg_quality)
     units: list[dict[str, Any]] = []
-    for split, entries in sorted(cache.listing.splits.items()):
-        # Columns, not a Python list per entry: at a million files the per-entry lists (and the garbage
-        # collector walking them) were most of the driver's planning time.
-        n = len(entries)
-        paths = np.fromiter((e.path for e in entries), dtype=object, count=n)
-        sizes = np.fromiter((e.size for e in entries), dtype=np.int64, count=n)
-        labels = np.fromiter((e.label for e in entries), dtype=np.int64, count=n)
-        ids = selected_ids(n, (limit or {}).get(split, 0))
+    for split, files in sorted(cache.listing.splits.items()):
+        ids = selected_ids(len(files), (limit or {}).get(split, 0))
         # Shards get a seeded random mix of the listing (sorted by class): a shard of consecutive entries
         # would hold one or two classes, and the epoch plan reads shard by shard. Sample ids stay the
         # listing indices, so labels and ids never depend on this order.
-        order = ids[shard_order(len(ids), split)]
+        # Units carry ranges of this order, never per-file lists: the driver holds the listing's columns
+        # and 8 bytes a file here, and each task takes its own rows (see _map_unit).
+        cache.orders[split] = order = ids[shard_order(len(ids), split)]
         for j, lo in enumerate(range(0, len(order), shard_rows)):
-            sel = order[lo:lo + shard_rows]
+            hi = min(lo + shard_rows, len(order))
             units.append({"split": split, "index": j, "source": cache.listing.root, "out_dir": cache.location,
                           "tiers": cache.tiers, "formats": {str(t): f for t, f in cache.formats.items()},
-                          "jpeg_quality": int(jpeg_quality), "io_threads": int(io_threads), "listed": len(sel),
-                          "ids": sel.tolist(), "paths": paths[sel].tolist(), "sizes": sizes[sel].tolist(),
-                          "labels": labels[sel].tolist()})
+                          "jpeg_quality": int(jpeg_quality), "io_threads": int(io_threads), "listed": hi - lo,
+                          "rows": [lo, hi]})
     return units
+
+
+def unit_rows(cache: _Cache, unit: dict[str, Any]) -> list[tuple[int, str, int, int]]:
+    """(sample_id, path, size, label) of one planned ImageFolder unit: that shard's files only."""
+    lo, hi = unit["rows"]
+    ids = cache.orders[unit["split"]][lo:hi]
+    entries = cache.listing.splits[unit["split"]].rows(ids)
+    return [(sid, e.path, e.size, e.label) for sid, e in zip(ids.tolist(), entries)]
 
 
 def _plan_row_shards(cache: _Cache, limit: dict[str, int] | None, shard_rows: int,
@@ -404,8 +421,11 @@ def _clear_for_rebuild(cache: _Cache, sizes: dict[str, int]) -> None:
 
 
 def _build_shards(todo: list[dict[str, Any]], done: dict[str, dict[str, Any]], num_cpus: float,
-                  concurrency: int | None, progress: Callable[[int, int], None] | None, t0: float) -> int:
-    """Build the missing shards as Ray Data tasks, adding each sidecar to ``done``; returns how many."""
+                  concurrency: int | None, progress: Callable[[int, int], None] | None, t0: float,
+                  cache: _Cache | None = None) -> int:
+    """Build the missing shards as Ray Data tasks, adding each sidecar to ``done``; returns how many. Units
+    with ``rows`` find their files in the split's listing table and shard order, put in the object store
+    once per split (workers map it, no copy)."""
     if not todo:
         return 0
     import ray  # deferred: listing errors and cache hits must not pay for starting Ray
@@ -417,8 +437,12 @@ def _build_shards(todo: list[dict[str, Any]], done: dict[str, dict[str, Any]], n
         # Fractional CPUs keep prepare schedulable beside Train workers, but more tasks than logical CPUs
         # only adds worker processes (each pays the imports) competing for the same cores.
         concurrency = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    needed = {u["split"] for u in todo if "rows" in u}
+    # Nested in a dict so Ray Data passes the refs as they are; each task gets the one of its split.
+    refs = {split: ray.put({"files": cache.listing.splits[split].table, "order": cache.orders[split]})
+            for split in sorted(needed)} if cache is not None else {}
     ds = ray.data.from_items([{"unit": json.dumps(u)} for u in todo], override_num_blocks=len(todo))
-    ds = ds.map(_map_unit, num_cpus=num_cpus, concurrency=min(concurrency, len(todo)))
+    ds = ds.map(_map_unit, fn_kwargs={"tables": refs}, num_cpus=num_cpus, concurrency=min(concurrency, len(todo)))
     step = max(1, len(todo) // 10)
     built = 0
     for row in ds.iter_rows():
@@ -485,7 +509,7 @@ def prepare(source: str, cache_root: str, tiers: list[int], *, jpeg_quality: int
     else:
         log.info("prepare: building %s: %d shards x %d tiers %s from %s", cache.location, len(units),
                  len(cache.tiers), cache.tiers, listing.root)
-    built = _build_shards(todo, done, num_cpus, concurrency, progress, t0)
+    built = _build_shards(todo, done, num_cpus, concurrency, progress, t0, cache)
     _write_manifest(cache, units, done, built, t0)
     return _as_result(cache.location)
 
