@@ -328,6 +328,9 @@ class CommConfig:
     # exact | sampled (threshold from a random sample, exact top-k as fallback)
     selection: Annotated[Str, OneOf("exact", "sampled")] = "exact"
     per_layer: Bool = False  # topk: ratio of each parameter tensor in a bucket (as DGC), not of the whole bucket
+    # sparse all-gather payload: compact = fp16 values (rounding error kept in the residual) + 16-bit block
+    # offsets of the sorted indices (4 bytes an entry); fp32 = fp32 values + int32 indices (8 bytes an entry)
+    payload: Annotated[Str, OneOf("compact", "fp32")] = "compact"
 
 
 @_section

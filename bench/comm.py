@@ -1,7 +1,7 @@
 """Gradient communication benchmark: bytes and time per step per mode vs dense, overlap per bucket,
 compression's own compute at ResNet-50 size, an overlap-aware projection to 16 nodes x 8 V100 on 25 Gbps
 against a flat and a hierarchical dense all-reduce, the crossover link speed per mode, and (with
-``--accuracy``) demo top-1 after the same budget, dense vs top-k 0.01 with error feedback.
+``--accuracy``) demo top-1 after the same budget, dense vs top-k 0.01 and 0.001 with error feedback.
 
     python -m bench.comm                      # measured bytes/time/overlap/overhead + projection
     python -m bench.comm --accuracy           # + demo trainings (python app/run.py), several minutes each
@@ -52,10 +52,21 @@ node, all-reduce across nodes, all-gather in the node), fp16/bf16, top-k, hierar
 step beats the flat dense ring's; ``figures.<arch>.crossover_here_gbps``: the same with this machine's
 measured compute (2 simulated nodes, CPU shared-memory links inside a node).
 
+Inter-node bytes, dense over hierarchical top-k (``figures.inter_node_bytes_dense_over_hierarchical_topk``), at
+ratios 0.01 and 0.001, each with the compact payload (fp16 values + 16-bit index offsets, 4 bytes an entry) and
+the fp32 one (8 bytes): ``modelled`` by ``app.train.comm_auto`` for 16 nodes x 8 GPUs and the first model's
+gradient; ``counted`` from one step of the whole gradient through the hook on the simulated nodes here (bytes
+handed to the wrapped collectives: S per worker for dense, B per node for the cross-node all-gathers), turned into
+the per-link ratio 2 S / (N B) for the nodes here and for N = 16 (the formula is printed with the figure).
+``figures.goals.inter_node_bytes_100x`` says per ratio whether both reach 100x; ``ratios`` carries the counted
+16-node figures.
+
 Accuracy (``--accuracy``): ``python app/run.py --storage S --name N --scaling.ray_address=local`` per
-variant (the demo recipe, same seed and budget), dense against top-k 0.01 with error feedback and the DGC
-units; ``ratios.top1_topk_ef_over_dense`` is final top-1 of the latter over dense's. Without the flag the
-key is absent and ``figures.accuracy_demo`` says so.
+variant (the demo recipe, same seed and budget; ``--seed`` sets ``scaling.seed`` of every run,
+``--accuracy-variants`` picks them), dense against top-k 0.01 and 0.001 with error feedback, the DGC units and
+the compact payload; ``ratios.top1_topk_ef_over_dense`` (0.01) and ``ratios.top1_topk_ef_0001_over_dense``
+(0.001) are final top-1 of those over dense's. Without the flag the keys are absent and
+``figures.accuracy_demo`` says so.
 """
 
 from __future__ import annotations
@@ -84,6 +95,9 @@ PROJECTED_MODES = ["dense", "hierarchical_dense", "fp16", "bf16", "topk", "hiera
 RATIO = 0.01
 BUCKET_MB = 25.0
 SELECTION = "sampled"
+PAYLOAD = "compact"  # comm.payload of the measured sparse modes
+BYTES_RATIOS = (0.01, 0.001)  # inter-node bytes, dense over hierarchical top-k, at these ratios
+BYTES_GOAL = 100.0  # hierarchical top-k keeps inter-node bytes at least this far below dense
 
 # --- projection inputs (see module docstring) -----------------------------------------------------
 NODES, GPUS_PER_NODE = 16, 8
@@ -129,7 +143,7 @@ def project(arch: str, n_elems: int, psgd_elems: int, compress_s: float, cast_s:
     cluster = comm_auto.Cluster(NODES, GPUS_PER_NODE, LINK_GBPS, comm_auto.INTRA_GBPS["cuda"])
     costs = comm_auto.StepCosts(elements=n_elems, buckets=n_buckets(n_elems), ratio=ratio, compress_s=compress_s,
                                 cast_s=cast_s, overlap_s=compute * BACKWARD_SHARE * window_share, compute_s=compute,
-                                powersgd_elements=psgd_elems)
+                                powersgd_elements=psgd_elems, payload=PAYLOAD)
     rows = comm_auto.table(cluster, costs, PROJECTED_MODES)
     for row in rows.values():
         row["efficiency"] = round(compute / row["step_s"], 4)
@@ -202,7 +216,7 @@ def _measure_worker(rank: int, world: int, folder: str, arch: str, steps: int) -
     results: dict[str, Any] = {"elements": n}
     for mode in MODES:
         cfg = CommConfig(mode=mode, ratio=RATIO, warmup_steps=0, error_feedback=True, bucket_mb=BUCKET_MB,
-                         selection=SELECTION)
+                         selection=SELECTION, payload=PAYLOAD)
         m = _model(arch)
         ddp = DDP(m, bucket_cap_mb=BUCKET_MB)
         hook = CommHook(cfg, topo, torch.device("cpu"))
@@ -255,10 +269,90 @@ def _measure_worker(rank: int, world: int, folder: str, arch: str, steps: int) -
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the step
         rec["step_s"], rec["comm_s"] = float(t[0]), float(t[1]) if mode != "powersgd" else None
         results[mode] = rec
+    results["bytes_pass"] = _bytes_pass(topo, n, rank, handed)
     if rank == 0:
         torch.save(results, os.path.join(folder, f"res-{arch}.pt"))
     dist.destroy_process_group()
     os._exit(0)  # skip interpreter teardown: ~20 s per process on a loaded 2-core machine
+
+
+def _bytes_pass(topo: Any, n: int, rank: int, handed: _Handed) -> dict[str, Any]:
+    """Bytes handed to the collectives for one step of the whole gradient (25 MB buckets, the hook's aggregate):
+    dense, and hierarchical top-k at each of ``BYTES_RATIOS`` with each payload; by process group."""
+    from app.config import CommConfig
+    from app.train.comm import CommHook
+
+    grads = torch.randn(n, generator=torch.Generator().manual_seed(200 + rank))
+    pieces = grads.split(int(BUCKET_MB * 1024 * 1024 / 4))
+    out: dict[str, Any] = {}
+    runs = [("dense", RATIO, PAYLOAD)]
+    runs += [("hierarchical_topk", r, p) for r in BYTES_RATIOS for p in ("compact", "fp32")]
+    for mode, ratio, payload in runs:
+        hook = CommHook(CommConfig(mode=mode, ratio=ratio, warmup_steps=0, selection=SELECTION, payload=payload),
+                        topo, torch.device("cpu"))
+        hook.prepare()
+        hook._need_agree = False  # the ranks start level: no agreement all-reduce in the count
+        handed.names = {id(g): name for g, name in ((hook._node_group, "node"), (hook._cross_group, "cross_node"))
+                        if g is not None}
+        g0 = dict(handed.by_group)
+        for i, p in enumerate(pieces):
+            hook.aggregate(p, [(f"b{i}", p.numel())], bucket_index=i, last=i == len(pieces) - 1)
+        out[f"{mode}/{ratio:g}/{payload}" if mode != "dense" else "dense"] = {
+            "by_group": {k: v - g0.get(k, 0) for k, v in handed.by_group.items() if v != g0.get(k, 0)},
+            "modelled_inter_node": hook.bytes_inter_node}
+    return out
+
+
+def inter_node_bytes_figure(arch: str, n: int, bytes_pass: dict[str, Any], nodes_here: int,
+                            per_node_here: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Inter-node bytes per step, dense over hierarchical top-k, at ``BYTES_RATIOS`` and both payloads: modelled
+    (app.train.comm_auto) at 16 x 8 for ``arch``, and from the bytes counted here, with the formula written out.
+    Returns (figure, goal entry)."""
+    fig: dict[str, Any] = {
+        "layout": f"{NODES} nodes x {GPUS_PER_NODE} GPUs, {arch} ({n} elements), {BUCKET_MB:g} MB buckets",
+        "formula": ("per node link and step: hierarchical dense (reduce-scatter in the node, ring all-reduce across "
+                    "nodes, all-gather in the node) 2 (N-1)/N S; flat ring dense 2 (W-1)/W S; hierarchical top-k "
+                    "(N-1) B, B = the bytes a node's workers hand the cross-node all-gathers (their chunks cover the "
+                    "gradient once). Ratio vs hierarchical dense = 2 S / (N B)"),
+        "modelled": {}, "counted": {}}
+    cluster = comm_auto.Cluster(NODES, GPUS_PER_NODE, LINK_GBPS)
+    dense_total = bytes_pass["dense"]["by_group"].get("world", 0)  # S: each worker hands the whole gradient
+    for ratio in BYTES_RATIOS:
+        key = f"{ratio:g}"
+        fig["modelled"][key], fig["counted"][key] = {}, {}
+        for payload in ("compact", "fp32"):
+            costs = comm_auto.StepCosts(elements=n, buckets=n_buckets(n), ratio=ratio, compress_s=0.0, payload=payload)
+            inter = {m: comm_auto.parts(m, cluster, costs)["inter_bytes"]
+                     for m in ("dense", "hierarchical_dense", "hierarchical_topk")}
+            fig["modelled"][key][payload] = {
+                "hierarchical_dense_over_hierarchical_topk": round(inter["hierarchical_dense"] / inter[
+                    "hierarchical_topk"], 2),
+                "flat_dense_over_hierarchical_topk": round(inter["dense"] / inter["hierarchical_topk"], 2),
+                "hierarchical_topk_inter_node_bytes": int(inter["hierarchical_topk"])}
+            rec = bytes_pass.get(f"hierarchical_topk/{key}/{payload}")
+            if rec is None or not dense_total:
+                continue
+            b_node = rec["by_group"].get("cross_node", 0) * per_node_here  # every worker of a node hands the same
+            fig["counted"][key][payload] = {
+                "dense_bytes_handed_per_worker": dense_total, "cross_node_bytes_handed_per_node": b_node,
+                "bytes_per_sent_entry": round(b_node / (ratio * n), 3),
+                f"dense_over_hierarchical_topk_at_{nodes_here}_nodes_here": round(
+                    2 * dense_total / (nodes_here * b_node), 2),
+                f"dense_over_hierarchical_topk_at_{NODES}_nodes": round(2 * dense_total / (NODES * b_node), 2)}
+    fig["counted_how"] = (f"bytes handed to the collectives (wrapped) in one step of the whole gradient on "
+                          f"{nodes_here} simulated nodes x {per_node_here} gloo workers; B per node and S per worker "
+                          f"do not depend on the node count (k = ratio x elements), so the same counts give the "
+                          f"{NODES}-node ratio 2 S / ({NODES} B)")
+    goal: dict[str, Any] = {"target": f">= {BYTES_GOAL:g}x fewer inter-node bytes than hierarchical dense at "
+                                      f"{NODES} nodes x {GPUS_PER_NODE}, compact payload; holds only where the "
+                                      f"counted and the modelled figure both reach it"}
+    for ratio in BYTES_RATIOS:
+        key = f"{ratio:g}"
+        counted = fig["counted"].get(key, {}).get("compact", {}).get(f"dense_over_hierarchical_topk_at_{NODES}_nodes")
+        modelled = fig["modelled"][key]["compact"]["hierarchical_dense_over_hierarchical_topk"]
+        goal[f"ratio_{key}"] = {"counted": counted, "modelled": modelled,
+                                "holds": bool(counted is not None and min(counted, modelled) >= BYTES_GOAL)}
+    return fig, goal
 
 
 def measure(arch: str, workers: int, steps: int) -> dict[str, Any]:
@@ -292,7 +386,7 @@ def compress_overhead(batch: int, ratio: float, reps: int = 3, device: torch.dev
     and with/without the DGC units, against a measured ResNet-50 forward + backward on ``device`` (this CPU)."""
     from app.config import CommConfig
     from app.train.comm import CommHook
-    from app.train.compress import k_for
+    from app.train.compress import k_for, payload_nbytes
     from app.train.topology import Topology
 
     device = device or torch.device("cpu")
@@ -315,12 +409,12 @@ def compress_overhead(batch: int, ratio: float, reps: int = 3, device: torch.dev
                 "sampled_dgc_per_layer": {"selection": "sampled", "momentum_correction": True, "momentum_masking": True,
                                           "per_layer": True}}
     elements = sum(n for b in buckets for _, n in b)
-    out: dict[str, Any] = {"device": str(device), "batch": batch, "resolution": 224,
+    out: dict[str, Any] = {"device": str(device), "batch": batch, "resolution": 224, "payload": PAYLOAD,
                            "threads": torch.get_num_threads(), "forward_backward_s": round(min(fb), 4),
                            "buckets": len(buckets), "elements": elements, "ratio": ratio, "seconds": {},
                            "cast_bf16_s": round(comm_auto.time_cast(elements, torch.bfloat16, device), 5)}
     for name, kw in variants.items():
-        hook = CommHook(CommConfig(mode="topk", ratio=ratio, warmup_steps=0, **kw), topo, device)
+        hook = CommHook(CommConfig(mode="topk", ratio=ratio, warmup_steps=0, payload=PAYLOAD, **kw), topo, device)
         hook.optimizer_momentum(0.9)
         flats = [torch.cat([grads[n] for n, _ in b]) for b in buckets]
         best = float("inf")
@@ -331,7 +425,8 @@ def compress_overhead(batch: int, ratio: float, reps: int = 3, device: torch.dev
                 acc, residual, u = hook._accumulate(flat, i, layout, flat.numel(), 0, flat.numel(), 1.0)
                 segments = [m for _, m in layout] if hook.cfg.per_layer else None
                 packed, k = hook._sparsify(acc, residual, u, segments)
-                assert packed.numel() == 2 * sum(k_for(hook.ratio_now, m) for m in segments or [flat.numel()])
+                assert k == sum(k_for(hook.ratio_now, m) for m in segments or [flat.numel()])
+                assert packed.numel() * packed.element_size() == payload_nbytes(k, flat.numel(), PAYLOAD)
             _sync(device)
             best = min(best, time.perf_counter() - t0)
         out["seconds"][name] = round(best, 4)
@@ -348,7 +443,7 @@ def crossover_here(elements: int, workers: int, compress_s: float, cast_s: float
     """Crossover link speed per mode for this machine's layout (2 simulated nodes) and measured compute."""
     cluster = comm_auto.Cluster(2, max(1, workers // 2), 1.0, comm_auto.INTRA_GBPS["cpu"])
     costs = comm_auto.StepCosts(elements=elements, buckets=n_buckets(elements), ratio=RATIO, compress_s=compress_s,
-                                cast_s=cast_s, overlap_s=overlap_s, compute_s=compute_s)
+                                cast_s=cast_s, overlap_s=overlap_s, compute_s=compute_s, payload=PAYLOAD)
     modes = [m for m in PROJECTED_MODES if m not in ("dense", "powersgd")]
     return {"gbps": {m: comm_auto.crossover_gbps(m, cluster, costs) for m in modes},
             "inputs": {"cluster": {**asdict(cluster), "link_gbps": "solved for"}, "costs": asdict(costs)}}
@@ -356,18 +451,22 @@ def crossover_here(elements: int, workers: int, compress_s: float, cast_s: float
 
 # --- accuracy part ---------------------------------------------------------------------------------
 DGC_FLAGS = ["--comm.momentum_correction=true", "--comm.momentum_masking=true", "--comm.sparsity_warmup_epochs=2",
-             "--comm.selection=sampled"]
+             "--comm.selection=sampled", f"--comm.payload={PAYLOAD}"]
 ACCURACY_VARIANTS = {
     "dense": [],
     "topk_ef": ["--comm.mode=topk", f"--comm.ratio={RATIO}", *DGC_FLAGS],
+    "topk_ef_0001": ["--comm.mode=topk", "--comm.ratio=0.001", *DGC_FLAGS],
 }
+ACCURACY_DEFAULT = "dense,topk_ef,topk_ef_0001"
 
 
-def accuracy(storage: str, extra: list[str], epochs: float | None, plain: bool) -> dict[str, Any]:
-    """Demo trainings through ``python app/run.py``, each on its own local Ray cluster, the same seed and budget."""
+def accuracy(storage: str, extra: list[str], epochs: float | None, plain: bool,
+             names: list[str] | None = None) -> dict[str, Any]:
+    """Demo trainings through ``python app/run.py``, each on its own local Ray cluster, the same seed and budget:
+    the ``names`` of ``ACCURACY_VARIANTS`` (default: all), one after the other."""
     from bench.common import REPO
 
-    variants = dict(ACCURACY_VARIANTS)
+    variants = {k: v for k, v in ACCURACY_VARIANTS.items() if names is None or k in names}
     if plain:
         variants["topk_ef_plain"] = ["--comm.mode=topk", f"--comm.ratio={RATIO}"]
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -401,6 +500,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--accuracy-plain", action="store_true", help="with --accuracy: also top-k + EF without DGC units")
     ap.add_argument("--epochs", type=float, default=None, help="demo epochs for --accuracy (default: the recipe's)")
     ap.add_argument("--no-accuracy", action="store_true", help="(default) no demo trainings")
+    ap.add_argument("--accuracy-variants", default=ACCURACY_DEFAULT,
+                    help=f"with --accuracy: which of {', '.join(ACCURACY_VARIANTS)} to run")
+    ap.add_argument("--seed", type=int, default=None, help="with --accuracy: scaling.seed of every run")
     ap.add_argument("--overhead-batch", type=int, default=8, help="ResNet-50 batch for the overhead's fwd+bwd")
     ap.add_argument("--storage", default="", help="run folder root for the accuracy part (default: a temp dir)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -422,8 +524,10 @@ def main(argv: list[str] | None = None) -> None:
         figures["compress_overhead_frac_gpu"] = gpu[f"frac_{SELECTION}"]
         src, src_label = gpu, f"measured on {torch.cuda.get_device_name()} at ResNet-50 size, scaled by elements"
     archs = [a.strip() for a in args.models.split(",") if a.strip()]
+    bytes_passes: dict[str, Any] = {}
     for arch in archs:
         res = measure(arch, args.workers, args.steps)
+        bytes_passes[arch] = res["bytes_pass"]
         dense, n = res["dense"], res["elements"]
         figures[arch] = {"elements": n, "measured": {}}
         for mode in MODES:
@@ -459,23 +563,38 @@ def main(argv: list[str] | None = None) -> None:
         figures[arch]["crossover_here_gbps"] = crossover_here(
             n, args.workers, over["seconds"][SELECTION] * cpu_scale, over["cast_bf16_s"] * cpu_scale,
             dense["window_share"] * dense["backward_s"], dense["step_s"])
+    goals: dict[str, Any] = {}
     if archs:
         head = "resnet50" if "resnet50" in archs else archs[0]
+        per_node = max(1, args.workers // 2)
+        fig, goal = inter_node_bytes_figure(head, figures[head]["elements"], bytes_passes[head],
+                                            args.workers // per_node, per_node)
+        figures["inter_node_bytes_dense_over_hierarchical_topk"] = fig
+        goals["inter_node_bytes_100x"] = goal
+        for key, g in goal.items():
+            if isinstance(g, dict) and g.get("counted") is not None:
+                ratios[f"inter_node_bytes_dense_over_hierarchical_topk_{key}_compact"] = g["counted"]
         proj = figures[head]["projection_16x8_v100_25gbps"]
         figures["crossover_gbps"] = {m: r["crossover_gbps"] for m, r in proj["modes"].items() if m != "dense"}
         figures["crossover_gbps_for"] = (f"{head}, {NODES} nodes x {GPUS_PER_NODE} V100, modelled "
                                          f"({figures[head]['projection_16x8_v100_25gbps']['model']}); inputs under "
                                          f"{head}.projection_16x8_v100_25gbps.inputs; None: never faster than dense")
         figures["auto_mode"] = {"picks_at_25gbps": proj["auto_picks"], "why": proj["auto_why"]}
+    figures["goals"] = goals
     if args.accuracy:
         storage = args.storage or tempfile.mkdtemp(prefix="bench-comm-")
-        acc = accuracy(storage, [f"--{kv}" for kv in args.set], args.epochs, args.accuracy_plain)
+        names = [v.strip() for v in args.accuracy_variants.split(",") if v.strip()]
+        unknown = [v for v in names if v not in ACCURACY_VARIANTS]
+        if unknown:
+            ap.error(f"--accuracy-variants: bad value {unknown[0]!r}; allowed: {', '.join(ACCURACY_VARIANTS)}")
+        extra = [f"--{kv}" for kv in args.set] + ([f"--scaling.seed={args.seed}"] if args.seed is not None else [])
+        acc = accuracy(storage, extra, args.epochs, args.accuracy_plain, names)
         figures["accuracy_demo"] = acc
-        d, e, p = (acc.get(k, {}).get("final_top1") for k in ("dense", "topk_ef", "topk_ef_plain"))
-        if d and e:
-            ratios["top1_topk_ef_over_dense"] = round(e / d, 4)
-        if d and p:
-            ratios["top1_topk_ef_plain_over_dense"] = round(p / d, 4)
+        d = acc.get("dense", {}).get("final_top1")
+        for name in ("topk_ef", "topk_ef_0001", "topk_ef_plain"):
+            e = acc.get(name, {}).get("final_top1")
+            if d and e:
+                ratios[f"top1_{name}_over_dense"] = round(e / d, 4)
     else:
         figures["accuracy_demo"] = "not run (pass --accuracy): ratios.top1_topk_ef_over_dense is absent"
     emit("comm", figures, ratios, machine.finish(argv, backend="gloo (CPU)"))

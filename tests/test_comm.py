@@ -45,7 +45,8 @@ def _init(rank: int, world: int, folder: str) -> Topology:
 
 
 def _hook(topo: Topology, **kw) -> CommHook:
-    cfg = CommConfig(**{"warmup_steps": 0, "ratio": RATIO, **kw})
+    # fp32 payload unless told: the known-tensor checks compare exact sums and count 8-byte entries
+    cfg = CommConfig(**{"warmup_steps": 0, "ratio": RATIO, "payload": "fp32", **kw})
     return CommHook(cfg, topo, torch.device("cpu"))
 
 
@@ -356,7 +357,7 @@ def _ddp_worker(rank: int, world: int, folder: str) -> None:
         model = _model()
         # Tiny buckets: several per step, so DDP's bucket rebuild after step 1 is exercised.
         ddp = DDP(model, bucket_cap_mb=0.004)
-        hook = _hook(topo, mode=mode, ratio=0.05, warmup_steps=3)
+        hook = _hook(topo, mode=mode, ratio=0.05, warmup_steps=3, payload="compact")
         hook.install(ddp)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         losses = _train(ddp, opt, x, y, 40)
@@ -369,7 +370,7 @@ def _ddp_worker(rank: int, world: int, folder: str) -> None:
     def fresh():
         model = _model()
         ddp = DDP(model, bucket_cap_mb=100)
-        hook = _hook(topo, mode="topk", ratio=0.05, warmup_steps=2)
+        hook = _hook(topo, mode="topk", ratio=0.05, warmup_steps=2, payload="compact")
         hook.install(ddp)
         return model, ddp, hook, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
@@ -393,7 +394,7 @@ def _ddp_worker(rank: int, world: int, folder: str) -> None:
     # comm.mode=auto through DDP on a slow link: decided inside the hook, at a bucket, after the measured steps.
     model = _model()
     ddp = DDP(model, bucket_cap_mb=0.004)
-    hook = _hook(topo, mode="auto", link_gbps=0.001, ratio=0.05, warmup_steps=3)
+    hook = _hook(topo, mode="auto", link_gbps=0.001, ratio=0.05, warmup_steps=3, payload="compact")
     hook.install(ddp)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = _train(ddp, opt, x, y, 40)

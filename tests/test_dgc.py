@@ -35,7 +35,8 @@ def _grads(rank: int, step: int) -> torch.Tensor:
 
 
 def _hook(topo: Topology, nesterov: bool = False, **kw) -> CommHook:
-    cfg = CommConfig(**{"mode": "topk", "warmup_steps": 0, "ratio": RATIO, **kw})
+    # fp32 payload: these checks compare exact sums and count 8-byte entries
+    cfg = CommConfig(**{"mode": "topk", "warmup_steps": 0, "ratio": RATIO, "payload": "fp32", **kw})
     h = CommHook(cfg, topo, torch.device("cpu"), optimizer="sgd", nesterov=nesterov)
     h.optimizer_momentum(MOM)
     return h
@@ -141,12 +142,12 @@ def _worker(rank: int, world: int, folder: str) -> None:
     for nesterov in (False, True):
         out[("sgd", nesterov)] = _ddp_run(topo, x, y, None, nesterov)[0]
         for mode in ("topk", "hierarchical_topk"):
-            cfg = CommConfig(mode=mode, ratio=1.0, warmup_steps=2, momentum_correction=True)
+            cfg = CommConfig(mode=mode, ratio=1.0, warmup_steps=2, momentum_correction=True, payload="fp32")
             params, hook = _ddp_run(topo, x, y, cfg, nesterov, timings=True)
             out[("mc1", mode, nesterov)] = params
             out[("mc1_steps", mode, nesterov)] = (hook.dense_steps, hook.compressed_steps)
             out[("timings", mode, nesterov)] = list(hook.bucket_timings)
-    cfg = CommConfig(mode="topk", ratio=0.05, warmup_steps=2, momentum_correction=True)
+    cfg = CommConfig(mode="topk", ratio=0.05, warmup_steps=2, momentum_correction=True, payload="fp32")
     out["mc_sparse"] = _ddp_run(topo, x, y, cfg, False)[0]
     torch.save(out, os.path.join(folder, f"out{rank}.pt"))
     dist.destroy_process_group()

@@ -84,7 +84,7 @@ import torch.distributed as dist
 
 from app.config import CommConfig
 from app.train import comm_auto
-from app.train.compress import SelectionStats, k_for, select
+from app.train.compress import SelectionStats, k_for, pack, quantize, scatter_sum, select
 from app.train.device import unit_log
 from app.train.dgc import accumulate_velocity, clip_local, warmup_ratio
 from app.train.topology import Topology, build_groups
@@ -279,6 +279,10 @@ class CommHook:
                                            else "off (comm.sparsity_warmup_epochs=0 or start <= ratio)"), on=warm)
         unit_log("topk_selection", na or f"{c.selection} top-k {'per parameter' if c.per_layer else 'per bucket'}",
                  method=c.selection, per_layer=c.per_layer)
+        unit_log("topk_payload", na or ("compact: fp16 values (rounding error kept in the residual) and 16-bit "
+                                        "block offsets of the sorted indices, 4 bytes an entry"
+                                        if c.payload == "compact" else "fp32: fp32 values and int32 indices, "
+                                        "8 bytes an entry"), payload=c.payload)
 
     def optimizer_momentum(self, momentum: float) -> float:
         """Record the schedule's momentum for this step; return the momentum the optimizer should use.
@@ -407,12 +411,12 @@ class CommHook:
         """Measure the compression and cast compute, agree on the inputs, pick the mode (a collective)."""
         c, n = self.cfg, self._auto_elements
         half = comm_auto.half_mode(device)
-        compress = comm_auto.time_compression(n, c.ratio, c.selection, device)
+        compress = comm_auto.time_compression(n, c.ratio, c.selection, device, payload=c.payload)
         cast = comm_auto.time_cast(n, torch.float16 if half == "fp16" else torch.bfloat16, device)
         t = torch.tensor([compress, cast, self._auto_window], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # every rank decides on the same inputs, so the same way
         costs = comm_auto.StepCosts(elements=n, buckets=self._auto_buckets, ratio=c.ratio, compress_s=float(t[0]),
-                                    cast_s=float(t[1]), overlap_s=float(t[2]))
+                                    cast_s=float(t[1]), overlap_s=float(t[2]), payload=c.payload)
         cluster = comm_auto.Cluster(self.topology.num_nodes, self.topology.local_world_size, c.link_gbps,
                                     comm_auto.INTRA_GBPS.get(device.type, comm_auto.INTRA_GBPS["cpu"]))
         candidates = [half, *(["hierarchical_topk"] if self._auto_hier_ready else [])]
@@ -604,31 +608,33 @@ class CommHook:
 
     def _sparsify(self, acc: torch.Tensor, residual: torch.Tensor | None,
                   velocity: torch.Tensor | None = None, segments: list[int] | None = None) -> tuple[torch.Tensor, int]:
-        """Pack the top-k of ``acc`` as [values, indices-as-float-bits]; updates ``residual`` (and, with
-        momentum masking, ``velocity``) in place at the sent indices."""
+        """Pack the top-k of ``acc`` per ``comm.payload`` (``app.train.compress.pack``); updates ``residual``
+        (and, with momentum masking, ``velocity``) in place at the sent indices: with the compact payload the
+        residual keeps each sent value's fp16 rounding error, so residual + sent equals ``acc`` exactly."""
         idx, mask = self._select(acc, segments)
         k = idx.numel()
+        payload = self.cfg.payload
         vals = acc[idx].float()
         real = idx
         if mask is not None:
             vals[~mask] = 0.0
             real = idx[mask]
+        sent = quantize(vals, payload)
         if residual is not None:
             if residual is not acc:
                 residual.copy_(acc)
-            residual[real] = 0.0
+            if payload == "fp32":
+                residual[real] = 0.0
+            else:  # the compact payload's rounding error stays behind, to be sent later
+                err = vals - sent
+                residual[real] = err if mask is None else err[mask]
         if velocity is not None and self.cfg.momentum_masking:
             velocity[real] = 0.0
             self.masked_entries += real.numel()
-        packed = torch.cat([vals, idx.to(torch.int32).view(torch.float32)])
-        return packed, k
+        return pack(sent, idx, acc.numel(), payload), k
 
-    @staticmethod
-    def _scatter_sum(parts: list[torch.Tensor], k: int, n: int, device: torch.device) -> torch.Tensor:
-        out = torch.zeros(n, dtype=torch.float32, device=device)
-        for p in parts:
-            out.index_add_(0, p[k:].view(torch.int32).long(), p[:k])
-        return out
+    def _scatter_sum(self, parts: list[torch.Tensor], k: int, n: int, device: torch.device) -> torch.Tensor:
+        return scatter_sum(parts, k, n, self.cfg.payload, device)
 
     def _gather(self, packed: torch.Tensor, size: int, group: Any, sync: bool,
                 finish: Any) -> torch.Tensor | torch.futures.Future:
@@ -651,7 +657,7 @@ class CommHook:
         acc, residual, u = self._accumulate(buf.float(), index, layout, n, 0, n, 1.0)
         segments = [numel for _, numel in layout] if self.cfg.per_layer and len(layout) > 1 else None
         packed, k = self._sparsify(acc, residual, u, segments)
-        nbytes = allgather_bytes(packed.numel() * 4, world)
+        nbytes = allgather_bytes(packed.numel() * packed.element_size(), world)
         self.bytes_sent += nbytes
         if self.topology.num_nodes > 1:
             self.bytes_inter_node += nbytes
@@ -679,7 +685,7 @@ class CommHook:
             packed, k = self._sparsify(acc, residual, u)
             parts = [torch.empty_like(packed) for _ in range(nodes)]
             dist.all_gather(parts, packed, group=self._cross_group)
-            nbytes = allgather_bytes(packed.numel() * 4, nodes)
+            nbytes = allgather_bytes(packed.numel() * packed.element_size(), nodes)
             self.bytes_sent += nbytes
             self.bytes_inter_node += nbytes
             padded[: hi - lo] = self._scatter_sum(parts, k, hi - lo, buf.device).div_(world)
@@ -795,6 +801,7 @@ class CommHook:
                 "comm_ratio_now": self.ratio_now, "comm_momentum_correction": self.momentum_correction,
                 "comm_clipped_buckets": self.clipped, "comm_clip_checks": self.clip_checks,
                 "comm_masked_entries": self.masked_entries, "comm_selection": self.cfg.selection,
+                "comm_payload": self.cfg.payload,
                 "comm_selection_calls": self.selection.calls, "comm_selection_sampled": self.selection.sampled,
                 "comm_selection_fallbacks": self.selection.fallbacks,
                 "comm_selection_padded_entries": self.selection.padded_entries}
@@ -815,7 +822,7 @@ class CommHook:
         else:
             parts.append("sparsity warm-up off")
         sel = self.selection
-        what = f"{c.selection} selection{' per parameter' if c.per_layer else ''}"
+        what = f"{c.payload} payload, {c.selection} selection{' per parameter' if c.per_layer else ''}"
         if c.selection == "sampled":
             what += (f": {sel.sampled} of {sel.calls} by sampled threshold, {sel.fallbacks} exact fallbacks, "
                      f"{sel.padded_entries} padded entries")

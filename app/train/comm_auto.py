@@ -15,10 +15,11 @@ through one link per node of ``link_gbps`` (the node's workers share it); inside
   reduce-scatter in the node, all-reduce of each local rank's S/M across the N nodes (all M through the node's
   link: 2 (N-1)/N S), all-gather in the node.
 - ``fp16`` / ``bf16``: the flat ring on S/2, plus the casts' compute.
-- ``topk``: flat ring all-gather of k (value, index) pairs of 8 bytes per rank, k = ratio x elements:
-  (W-1) 8k over the link; compression compute on the whole gradient.
+- ``topk``: flat ring all-gather of k (value, index) entries per rank, k = ratio x elements, of 8 bytes each
+  (``payload`` fp32) or 4 bytes plus a count per 65,536-entry index block (compact): (W-1) P over the link
+  for a payload of P bytes; compression compute on the whole gradient.
 - ``hierarchical_topk``: dense all-reduce in the node, each local rank's top-k of its 1/M chunk all-gathered across
-  the nodes ((N-1) 8k through the node's link in all), then an all-gather of the chunks in the node; compression
+  the nodes ((N-1) P through the node's link in all), then an all-gather of the chunks in the node; compression
   compute on 1/M of the gradient per worker.
 - ``powersgd`` (bench only): ring all-reduce of its P and Q factors, twice the messages; its compute not modelled.
 
@@ -42,7 +43,10 @@ from typing import Any
 
 import torch
 
-PAIR_BYTES = 8  # a (fp32 value, int32 index) pair, as the hook packs it
+from app.train.compress import INDEX_BLOCK, k_for, pack, quantize, select
+
+PAIR_BYTES = 8  # a (fp32 value, int32 index) pair, as the hook packs it with comm.payload=fp32
+COMPACT_ENTRY_BYTES = 4  # fp16 value + 16-bit index offset (comm.payload=compact), plus an int32 count per block
 ALPHA_INTER_S = 30e-6  # a collective step between nodes (TCP on a cloud network; an assumption, not measured)
 ALPHA_INTRA_S = 5e-6  # a collective step inside a node (NVLink / shared memory; an assumption)
 # Collective bandwidth inside a node, by device type: NVLink-class 100 GB/s for GPUs, shared memory for CPUs.
@@ -83,6 +87,20 @@ class StepCosts:
     overlap_s: float = 0.0  # backward compute from the first bucket ready to the last (hides async collectives)
     compute_s: float = 0.0  # forward + backward (the same for every mode: reported, never decisive)
     powersgd_elements: int = 0  # elements PowerSGD all-reduces (P and Q, plus the tensors it leaves dense)
+    payload: str = "fp32"  # the sparse modes' all-gather payload (comm.payload): fp32 or compact
+
+
+def sparse_payload_bytes(s: StepCosts, chunks_per_bucket: int = 1) -> float:
+    """Bytes of the (value, index) entries one node's ranks hand a sparse all-gather per step, in all: k entries
+    of 8 bytes (fp32 payload), or of 4 bytes plus a 4-byte count per 65,536-entry index block of every chunk
+    (compact payload; a bucket is cut into ``chunks_per_bucket`` chunks, one per local rank, under
+    hierarchical top-k)."""
+    k = s.ratio * s.elements
+    if s.payload == "fp32":
+        return PAIR_BYTES * k
+    chunk = s.elements / max(1, s.buckets * chunks_per_bucket)
+    blocks = s.buckets * chunks_per_bucket * max(1, math.ceil(chunk / INDEX_BLOCK))
+    return COMPACT_ENTRY_BYTES * k + 4.0 * blocks
 
 
 def _ring(nbytes: float, ranks: int, gbps: float, alpha: float, msgs: int) -> float:
@@ -100,7 +118,6 @@ def parts(mode: str, c: Cluster, s: StepCosts) -> dict[str, float]:
     seconds, and the compute it adds (see the module docstring)."""
     n, m, w, b = c.nodes, c.workers_per_node, c.world, s.buckets
     size = 4.0 * s.elements
-    k = s.ratio * s.elements
     # flat collectives run at the speed of their slowest hop: the link as soon as there are two nodes
     gbps, alpha = (c.link_gbps, c.alpha_inter_s) if n > 1 else (c.intra_gbps, c.alpha_intra_s)
     crossing = n > 1
@@ -115,11 +132,11 @@ def parts(mode: str, c: Cluster, s: StepCosts) -> dict[str, float]:
         return {"inter_bytes": (w - 1) / w * size * crossing, "sync_s": 0.0,
                 "async_s": _ring(size / 2, w, gbps, alpha, b), "extra_s": s.cast_s}
     if mode == "topk":
-        payload = PAIR_BYTES * k
+        payload = sparse_payload_bytes(s)
         t = 0.0 if w <= 1 else (w - 1) * payload * 8 / (gbps * 1e9) + b * (w - 1) * alpha
         return {"inter_bytes": (w - 1) * payload * crossing, "sync_s": 0.0, "async_s": t, "extra_s": s.compress_s}
     if mode == "hierarchical_topk":
-        cross = (n - 1) * PAIR_BYTES * k  # the M local ranks' gathers of their chunks' pairs, through one link
+        cross = (n - 1) * sparse_payload_bytes(s, m)  # the M local ranks' gathers of their chunks, through one link
         sync = (_ring(size, m, c.intra_gbps, c.alpha_intra_s, b)
                 + cross * 8 / (c.link_gbps * 1e9) + b * (n - 1) * c.alpha_inter_s)
         return {"inter_bytes": cross, "sync_s": sync,
@@ -181,8 +198,8 @@ def choose(c: Cluster, s: StepCosts, candidates: list[str]) -> tuple[str, str, d
     cross = ", ".join(f"{m} {r['crossover_gbps']}" for m, r in rows.items() if m != "dense")
     why = (f"picked {best} for a {c.link_gbps:g} Gbps link between {c.nodes} node(s) x {c.workers_per_node} "
            f"worker(s): modelled step {steps}; faster than dense below (Gbps): {cross or 'no candidate'}; "
-           f"inputs: {s.elements} elements in {s.buckets} bucket(s), ratio {s.ratio:g}, compression "
-           f"{1e3 * s.compress_s:.2f} ms, casts {1e3 * s.cast_s:.2f} ms, backward overlap window "
+           f"inputs: {s.elements} elements in {s.buckets} bucket(s), ratio {s.ratio:g}, {s.payload} payload, "
+           f"compression {1e3 * s.compress_s:.2f} ms, casts {1e3 * s.cast_s:.2f} ms, backward overlap window "
            f"{1e3 * s.overlap_s:.2f} ms, intra-node {c.intra_gbps:g} Gbps")
     return best, why, {"cluster": asdict(c), "costs": asdict(s), "modes": rows, "model": FORMULA}
 
@@ -194,11 +211,9 @@ def _sync(device: torch.device) -> None:
 
 
 def time_compression(elements: int, ratio: float, selection: str, device: torch.device,
-                     max_elements: int = 1 << 22, reps: int = 2) -> float:
+                     max_elements: int = 1 << 22, reps: int = 2, payload: str = "compact") -> float:
     """Seconds of top-k compression over ``elements`` on ``device``: error-feedback add, selection, packing and
     the residual update, on up to ``max_elements`` random values, scaled linearly (every pass is linear)."""
-    from app.train.compress import k_for, select
-
     n = max(1, min(elements, max_elements))
     gen = torch.Generator(device=device).manual_seed(0)
     g = torch.randn(n, generator=gen, device=device)
@@ -210,8 +225,10 @@ def time_compression(elements: int, ratio: float, selection: str, device: torch.
         t0 = time.perf_counter()
         acc = residual.add_(g)
         idx, _ = select(acc.abs(), k, selection, gen)
-        packed = torch.cat([acc[idx], idx.to(torch.int32).view(torch.float32)])
-        acc[idx] = 0.0
+        vals = acc[idx]
+        sent = quantize(vals, payload)
+        packed = pack(sent, idx, n, payload)
+        acc[idx] = vals - sent
         _sync(device)
         best = min(best, time.perf_counter() - t0)
         del packed

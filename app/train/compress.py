@@ -86,3 +86,74 @@ def select(mag: torch.Tensor, k: int, method: str, gen: torch.Generator | None =
     if method == "sampled":
         return sampled_topk(mag, k, gen, stats)
     raise ValueError(f"comm.selection: bad value {method!r}; allowed: exact, sampled")
+
+
+# --- the payload of the sparse all-gather ----------------------------------------------------------------
+# ``fp32``: k fp32 values then k int32 indices (8 bytes an entry). ``compact``: k fp16 values, then the
+# indices sorted and cut into 65,536-entry blocks of the chunk, each sent as its low 16 bits, then one int32
+# count per block (4 bytes an entry plus 4 per block). The count vector has a fixed length, ceil(n / 65,536),
+# so every rank hands the all-gather the same number of bytes (k is the same on all ranks). The values' fp16
+# rounding error is what the hook keeps in the error-feedback residual (``quantize``), so nothing is lost.
+PAYLOADS = ("compact", "fp32")
+INDEX_BLOCK = 1 << 16
+FP16_MAX = 65504.0
+
+
+def index_blocks(n: int) -> int:
+    """Blocks of ``INDEX_BLOCK`` entries a chunk of ``n`` entries is cut into (the compact count vector's length)."""
+    return max(1, math.ceil(n / INDEX_BLOCK))
+
+
+def payload_nbytes(k: int, n: int, payload: str) -> int:
+    """Bytes one rank hands the all-gather for ``k`` entries of a chunk of ``n``."""
+    if payload == "fp32":
+        return 8 * k
+    if payload == "compact":
+        return 4 * k + 4 * index_blocks(n)
+    raise ValueError(f"comm.payload: bad value {payload!r}; allowed: {', '.join(PAYLOADS)}")
+
+
+def quantize(vals: torch.Tensor, payload: str) -> torch.Tensor:
+    """The fp32 values the receivers will see for ``vals``: the same for ``fp32``, fp16-rounded for ``compact``
+    (clamped to fp16's range first, so a huge value is sent as the largest fp16 and the rest stays behind).
+    ``vals - quantize(vals)`` is exact in fp32 (Sterbenz: the rounded value is within a factor 2 of the
+    original, or zero), so residual + sent adds back to the accumulated value bit for bit."""
+    if payload == "fp32":
+        return vals
+    return vals.clamp(-FP16_MAX, FP16_MAX).to(torch.float16).to(torch.float32)
+
+
+def pack(sent: torch.Tensor, idx: torch.Tensor, n: int, payload: str) -> torch.Tensor:
+    """One flat tensor of ``sent`` (fp32, already ``quantize``d) at ``idx`` (into a chunk of ``n``) to all-gather."""
+    if payload == "fp32":
+        return torch.cat([sent.float(), idx.to(torch.int32).view(torch.float32)])
+    if payload != "compact":
+        raise ValueError(f"comm.payload: bad value {payload!r}; allowed: {', '.join(PAYLOADS)}")
+    order_idx, order = idx.sort()
+    counts = torch.bincount(order_idx >> 16, minlength=index_blocks(n)).to(torch.int32)
+    if counts.numel() != index_blocks(n):  # an index past the chunk would change the payload's size
+        raise ValueError(f"compact payload: indices must lie in [0, {n})")
+    low = ((order_idx & (INDEX_BLOCK - 1)) - (INDEX_BLOCK // 2)).to(torch.int16)  # 0..65535 -> int16 range
+    return torch.cat([sent[order].to(torch.float16).view(torch.uint8), low.view(torch.uint8),
+                      counts.view(torch.uint8)])
+
+
+def unpack(part: torch.Tensor, k: int, n: int, payload: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 values, int64 indices) of one rank's ``pack``ed payload of ``k`` entries of a chunk of ``n``."""
+    if payload == "fp32":
+        return part[:k], part[k:].view(torch.int32).long()
+    vals = part[:2 * k].view(torch.float16).float()
+    low = part[2 * k:4 * k].view(torch.int16).long() + INDEX_BLOCK // 2
+    counts = part[4 * k:].view(torch.int32)
+    blocks = torch.repeat_interleave(torch.arange(counts.numel(), device=part.device), counts.long(),
+                                     output_size=k)
+    return vals, blocks * INDEX_BLOCK + low
+
+
+def scatter_sum(parts: list[torch.Tensor], k: int, n: int, payload: str, device: torch.device) -> torch.Tensor:
+    """The dense sum (fp32, length ``n``) of the ranks' sparse payloads."""
+    out = torch.zeros(n, dtype=torch.float32, device=device)
+    for p in parts:
+        vals, idx = unpack(p, k, n, payload)
+        out.index_add_(0, idx, vals)
+    return out
