@@ -11,16 +11,14 @@ import sys
 
 import numpy as np
 import pytest
-import ray
 import torch
 
 from app.data import augment
-from app.data.demo import generate_demo
 from app.data.ingest import IngestSpec, PhaseSpec, phase_blocks, plan_augmentation, tier_shards, train_block_batch
 from app.data.manifest import Manifest
 from app.data.plan import EpochPlan
-from app.data.prepare import prepare
 from app.train import device as dev
+from tests.small_tiers import prepared_tier
 
 ROOT = pathlib.Path(__file__).parents[1]
 RES = 48  # output size; the stored raw tier is 64 px short side, so crops both shrink and grow
@@ -28,18 +26,7 @@ RES = 48  # output size; the stored raw tier is 64 px short side, so crops both 
 
 @pytest.fixture(scope="module")
 def demo_manifest(tmp_path_factory) -> Manifest:
-    if ray.is_initialized():
-        ray.shutdown()
-    try:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    except Exception:  # "node timed out during startup" on a loaded machine: one more try
-        ray.shutdown()
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    root = tmp_path_factory.mktemp("device-aug")
-    src = generate_demo(root / "src", num_classes=3, train_per_class=16, val_per_class=2, processes=1)
-    man = Manifest.load(str(prepare(str(src), str(root / "cache"), [64], raw_max_resolution=64, shard_rows=16)))
-    yield man
-    ray.shutdown()
+    yield from prepared_tier(tmp_path_factory.mktemp("device-aug"), raw_max_resolution=64)
 
 
 def make_spec(manifest: Manifest, local_dir: str, augment_on: str, cuda: bool) -> IngestSpec:

@@ -10,35 +10,22 @@ import pathlib
 
 import numpy as np
 import pytest
-import ray
 import torch
 from PIL import Image
 
 from app.data import augment, device_decode
-from app.data.demo import generate_demo
 from app.data.ingest import IngestSpec, PhaseSpec, phase_blocks, plan_decode, tier_shards, train_block_batch
 from app.data.manifest import Manifest
-from app.data.prepare import prepare
 from app.train import device as dev
+from tests.small_tiers import prepared_tier
 
 RES = 48  # output size; the stored JPEG tier is 64 px short side, so crops both shrink and grow
 
 
 @pytest.fixture(scope="module")
 def jpeg_manifest(tmp_path_factory) -> Manifest:
-    if ray.is_initialized():
-        ray.shutdown()
-    try:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    except Exception:  # "node timed out during startup" on a loaded machine: one more try
-        ray.shutdown()
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    root = tmp_path_factory.mktemp("device-decode")
-    src = generate_demo(root / "src", num_classes=3, train_per_class=16, val_per_class=2, processes=1)
     # raw_max_resolution=0: every tier is stored as JPEG, as tiers above data.raw_max_resolution are.
-    man = Manifest.load(str(prepare(str(src), str(root / "cache"), [64], raw_max_resolution=0, shard_rows=16)))
-    yield man
-    ray.shutdown()
+    yield from prepared_tier(tmp_path_factory.mktemp("device-decode"), raw_max_resolution=0)
 
 
 def make_spec(manifest: Manifest, local_dir: str, decode_on: str, cuda: bool) -> IngestSpec:
