@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import ray
 
 from app.data.demo import generate_demo
+from app.data.ingest import IngestSpec, PhaseSpec, tier_shards
 from app.data.manifest import Manifest
 from app.data.prepare import prepare
 
@@ -29,3 +30,11 @@ def prepared_tier(root: pathlib.Path, raw_max_resolution: int) -> Iterator[Manif
     yield Manifest.load(str(prepare(str(src), str(root / "cache"), [TIER], raw_max_resolution=raw_max_resolution,
                                     shard_rows=16)))
     ray.shutdown()
+
+
+def one_phase_spec(manifest: Manifest, local_dir: str, resolution: int) -> IngestSpec:
+    """An ingest spec of one training phase (batch 16, crop scale 0.25, epochs 0-2) at ``resolution`` from the
+    tier, validation at the same size: what the device-path tests plan their placement on."""
+    return IngestSpec(seed=5, local_dir=local_dir, train_size=manifest.num_samples("train"),
+                      phases=[PhaseSpec(0, resolution, 16, 0.25, 0, 2, tier_shards(manifest, "train", TIER))],
+                      val=tier_shards(manifest, "val", TIER), eval_resolution=resolution, val_crop_ratio=0.875)

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from app.data import augment
-from app.data.ingest import IngestSpec, PhaseSpec, phase_blocks, plan_augmentation, tier_shards, train_block_batch
+from app.data.ingest import IngestSpec, phase_blocks, plan_augmentation, train_block_batch
 from app.data.manifest import Manifest
 from app.data.plan import EpochPlan
 from app.train import device as dev
-from tests.small_tiers import prepared_tier
+from tests.small_tiers import one_phase_spec, prepared_tier
 
 ROOT = pathlib.Path(__file__).parents[1]
 RES = 48  # output size; the stored raw tier is 64 px short side, so crops both shrink and grow
@@ -30,9 +30,7 @@ def demo_manifest(tmp_path_factory) -> Manifest:
 
 
 def make_spec(manifest: Manifest, local_dir: str, augment_on: str, cuda: bool) -> IngestSpec:
-    spec = IngestSpec(seed=5, local_dir=local_dir, train_size=manifest.num_samples("train"),
-                      phases=[PhaseSpec(0, RES, 16, 0.25, 0, 2, tier_shards(manifest, "train", 64))],
-                      val=tier_shards(manifest, "val", 64), eval_resolution=RES, val_crop_ratio=0.875)
+    spec = one_phase_spec(manifest, local_dir, RES)
     plan_augmentation(spec, augment_on, cuda)
     return spec
 

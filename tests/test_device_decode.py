@@ -17,7 +17,7 @@ from app.data import augment, device_decode
 from app.data.ingest import IngestSpec, PhaseSpec, phase_blocks, plan_decode, tier_shards, train_block_batch
 from app.data.manifest import Manifest
 from app.train import device as dev
-from tests.small_tiers import prepared_tier
+from tests.small_tiers import one_phase_spec, prepared_tier
 
 RES = 48  # output size; the stored JPEG tier is 64 px short side, so crops both shrink and grow
 
@@ -29,9 +29,7 @@ def jpeg_manifest(tmp_path_factory) -> Manifest:
 
 
 def make_spec(manifest: Manifest, local_dir: str, decode_on: str, cuda: bool) -> IngestSpec:
-    spec = IngestSpec(seed=5, local_dir=local_dir, train_size=manifest.num_samples("train"),
-                      phases=[PhaseSpec(0, RES, 16, 0.25, 0, 2, tier_shards(manifest, "train", 64))],
-                      val=tier_shards(manifest, "val", 64), eval_resolution=RES, val_crop_ratio=0.875)
+    spec = one_phase_spec(manifest, local_dir, RES)
     plan_decode(spec, decode_on, cuda, cpus_per_gpu=2.0, seconds=0.2)
     return spec
 
