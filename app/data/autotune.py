@@ -29,6 +29,7 @@ import ray
 from app.data import augment, autotune_cache
 from app.data.plan import EpochPlan
 from app.data.spec import BLOCK_ROWS, MAP_CPUS, IngestSpec
+from app.data.timing import images_per_s
 
 log = logging.getLogger(__name__)
 MIN_CALIBRATION_SAMPLES = 2048  # below this a run is over before a calibration pays for itself
@@ -199,13 +200,7 @@ def cpu_decode_rate(sample: list[tuple[bytes, int, int, int]], resolution: int, 
             img = augment.decode(data, "jpeg", h, w)
             augment.train_crop(img, resolution, min_scale, augment.sample_rng(seed, 0, sid))
 
-    once()  # warm-up: PIL's codec, the allocator
-    n, t0 = 0, time.perf_counter()
-    while True:
-        once()
-        n += len(sample)
-        if time.perf_counter() - t0 >= seconds:
-            return n / (time.perf_counter() - t0)
+    return images_per_s(once, len(sample), seconds)
 
 
 def _device_rate_task(encoded: list[bytes], seconds: float) -> float:

@@ -15,12 +15,13 @@ rest keep theirs: no shift), logged and listed in :data:`SKIPPED`.
 from __future__ import annotations
 
 import logging
-import time
 import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from app.data.timing import images_per_s
 
 log = logging.getLogger(__name__)
 SKIPPED: list[int] = []  # sample ids this process could not decode, in the order met
@@ -114,8 +115,8 @@ def describe(device: torch.device, phases: list[int]) -> str:
 
 
 def decode_rate(encoded: list[bytes], device: torch.device | str, seconds: float = 1.0, batch: int = 64) -> float:
-    """Images/s of batched decode (plus the canvas paste) of ``encoded`` on ``device``, after one warm-up batch
-    (nvJPEG's handles, the allocator); at least one timed batch, more until ``seconds`` have passed."""
+    """Images/s of batched decode (plus the canvas paste) of ``encoded`` on ``device`` (timed as
+    :func:`app.data.timing.images_per_s` times)."""
     device = torch.device(device)
     data = as_tensors(encoded[:batch])
     if not data:
@@ -127,11 +128,4 @@ def decode_rate(encoded: list[bytes], device: torch.device | str, seconds: float
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    once()
-    n, t0 = 0, time.perf_counter()
-    while True:
-        once()
-        n += len(data)
-        if time.perf_counter() - t0 >= seconds:
-            break
-    return n / (time.perf_counter() - t0)
+    return images_per_s(once, len(data), seconds)

@@ -381,7 +381,6 @@ def plan_decode(spec: IngestSpec, decode_on: str, workers_use_cuda: bool, cpus_p
         spec.event("decode_on", msg, phase=ph.index, on=choice.on, device=where,
                    cpu_img_s_per_cpu=choice.cpu_img_s_per_cpu, device_img_s=choice.device_img_s,
                    cpus_per_gpu=choice.cpus_per_gpu)
-    spec.decode_on = "device" if any(ph.device_decode for ph in spec.phases) else "cpu"
 
 
 def finalize_spec(spec: IngestSpec, data: Any, train_cpus: float, workers_use_cuda: bool = False,

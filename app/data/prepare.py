@@ -234,16 +234,20 @@ def _samples(unit: dict[str, Any], fs: pafs.FileSystem, base: str
                for (sid, path, _size, label), (data, reason) in zip(entries, pool.map(fetch, entries)))
 
 
+def _unit_files(files: pa.Table, order: np.ndarray, lo: int, hi: int) -> dict[str, list]:
+    """A unit's rows [lo, hi) of its split's shard order as the lists build_shard reads (that shard only)."""
+    ids = order[lo:hi]
+    cols = files.take(pa.array(ids)).to_pydict()
+    return {"ids": ids.tolist(), "paths": cols["path"], "sizes": cols["size"], "labels": cols["label"]}
+
+
 def _map_unit(row: dict[str, Any], tables: dict[str, Any] | None = None) -> dict[str, Any]:
     unit = json.loads(row["unit"])
     if "rows" in unit:  # an ImageFolder shard: rows [lo, hi) of its split's plan table, in the object store
         import ray
 
-        lo, hi = unit.pop("rows")
         plan = ray.get(tables[unit["split"]])
-        ids = plan["order"][lo:hi]
-        cols = plan["files"].take(pa.array(ids)).to_pydict()
-        unit.update(ids=ids.tolist(), paths=cols["path"], sizes=cols["size"], labels=cols["label"])
+        unit.update(_unit_files(plan["files"], plan["order"], *unit.pop("rows")))
     return {"sidecar": json.dumps(build_shard(unit))}
 
 
@@ -347,10 +351,8 @@ def _plan_shards(cache: _Cache, limit: dict[str, int] | None, shard_rows: int, j
 
 def unit_rows(cache: _Cache, unit: dict[str, Any]) -> list[tuple[int, str, int, int]]:
     """(sample_id, path, size, label) of one planned ImageFolder unit: that shard's files only."""
-    lo, hi = unit["rows"]
-    ids = cache.orders[unit["split"]][lo:hi]
-    entries = cache.listing.splits[unit["split"]].rows(ids)
-    return [(sid, e.path, e.size, e.label) for sid, e in zip(ids.tolist(), entries)]
+    f = _unit_files(cache.listing.splits[unit["split"]].table, cache.orders[unit["split"]], *unit["rows"])
+    return list(zip(f["ids"], f["paths"], f["sizes"], f["labels"]))
 
 
 def _plan_row_shards(cache: _Cache, limit: dict[str, int] | None, shard_rows: int,

@@ -96,7 +96,6 @@ class IngestSpec:
     map_concurrency: int | None = None  # tasks in flight, all ranks together; None = Ray Data's default
     prefetch_batches: int = 2
     augment_on: str = "cpu"  # resolved data.augment_on: where training crops run ("cpu" | "device")
-    decode_on: str = "cpu"  # resolved data.decode_on: where JPEG tiers are decoded ("cpu" | "device")
     block_rows: int = BLOCK_ROWS
     val_mode: str = "center"
     val_order: np.ndarray | None = None  # rect: val rows (global index) sorted by aspect ratio
@@ -104,6 +103,11 @@ class IngestSpec:
     events: list[dict] = field(default_factory=list)  # unit events (data_cache, preprocess_autotune) to log
     # report.eval_sweep: resolution -> a copy of this spec whose validation runs at that resolution
     sweep: dict[int, IngestSpec] = field(default_factory=dict)
+
+    @property
+    def decode_on(self) -> str:
+        """Where JPEG tiers are decoded, as resolved per phase by ``plan_decode``: "device" if any phase is."""
+        return "device" if any(ph.device_decode for ph in self.phases) else "cpu"
 
     def event(self, unit: str, message: str, **fields: Any) -> None:
         log.info("%s: %s", unit, message)
