@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import mmap
 import os
 import pathlib
 import time
@@ -53,11 +54,28 @@ def local_copy(uri: str, sha256: str, local_dir: str, max_bytes: int = 0) -> str
     """Path of a verified node-local copy of shard ``uri`` (content-addressed by its sha256).
 
     ``max_bytes`` > 0 is the disk budget of the copies under ``local_dir`` (``data.local_cache_max_gb``):
-    room is made before a copy by evicting the least recently used ones (:func:`make_room`)."""
+    room is made before a copy by evicting the least recently used ones (:func:`make_room`). Under a tight
+    budget another process may evict the copy as soon as this returns; readers use :func:`open_table`,
+    which holds the file open from before it becomes visible to evictors."""
+    fd, path = _open_copy(uri, sha256, local_dir, max_bytes)
+    os.close(fd)
+    return path
+
+
+def _open_copy(uri: str, sha256: str, local_dir: str, max_bytes: int) -> tuple[int, str]:
+    """A read-only descriptor of the shard's node-local copy (made if missing) and its path.
+
+    The descriptor is opened before any evictor can see the file (on the copy path: before the rename into
+    place), so an eviction that follows only unlinks the name: on Linux the open file stays readable."""
     target = pathlib.Path(local_dir) / sha256[:2] / f"{sha256}.parquet"
-    if _touch(target):
+    try:
+        fd = os.open(target, os.O_RDONLY)
+    except FileNotFoundError:
+        pass
+    else:
+        _touch(target)
         STATS["local_hits"] += 1
-        return str(target)
+        return fd, str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     fs, path = resolve_fs(uri)
     if max_bytes > 0:
@@ -78,13 +96,14 @@ def local_copy(uri: str, sha256: str, local_dir: str, max_bytes: int = 0) -> str
         tmp.unlink(missing_ok=True)
         raise OSError(f"shard {uri}: checksum {got[:12]} does not match the manifest's {sha256[:12]}; "
                       "rerun prepare to rebuild it")
+    fd = os.open(tmp, os.O_RDONLY)
     os.replace(tmp, target)
     STATS["copied"] += 1
     if max_bytes > 0:
         # Other processes on the node may have copied at the same time, each having made room for its own
         # shard only: trim back to the budget, never evicting the copy this call is about to hand out.
         make_room(local_dir, 0, max_bytes, keep=target)
-    return str(target)
+    return fd, str(target)
 
 
 def _touch(path: pathlib.Path) -> bool:
@@ -158,16 +177,17 @@ def make_room(local_dir: str, need: int, max_bytes: int, keep: pathlib.Path | No
 
 def open_table(uri: str, sha256: str, local_dir: str, columns: list[str] | None = None,
                max_bytes: int = 0) -> pa.Table:
-    """The shard's table, read (memory-mapped) from the node-local copy."""
-    path = local_copy(uri, sha256, local_dir, max_bytes)
-    for _ in range(2):
-        try:
-            return pq.read_table(path, columns=columns, memory_map=True)
-        except FileNotFoundError:
-            # Another process evicted the copy between the lookup and the open (a budget that holds fewer
-            # shards than the node reads at once): copy it again.
-            path = local_copy(uri, sha256, local_dir, max_bytes)
-    return pq.read_table(path, columns=columns, memory_map=True)
+    """The shard's table, read (memory-mapped) from the node-local copy.
+
+    The map is made from the descriptor :func:`_open_copy` holds, never by reopening the path, so an
+    evictor in another process (a budget that holds fewer shards than the node reads at once) cannot pull
+    the file away between the copy and the read."""
+    fd, _ = _open_copy(uri, sha256, local_dir, max_bytes)
+    try:
+        mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)  # the map keeps its own reference to the file
+    return pq.read_table(pa.BufferReader(pa.py_buffer(mapped)), columns=columns)
 
 
 def read_columns(uri: str, columns: list[str]) -> pa.Table:
