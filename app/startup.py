@@ -74,8 +74,9 @@ def breakdown(startup: dict[str, Any], events: list[dict[str, Any]], origin: flo
 
     ``startup`` is a ``startup.json`` record, ``events`` the run's ``metrics.jsonl`` records. The phases
     are contiguous: ``imports`` runs from the origin to the first driver mark, ``worker_group_start`` from
-    the last driver mark to the worker group's ``start`` event (Ray Train placing and starting the group,
-    each worker building its model), ``first_batch`` from there to the ``first_step`` event; time between
+    the last driver mark to the worker group's ``start`` event less the worker's own set-up (Ray Train placing
+    and starting the group), ``worker_setup`` the worker's set-up (model, DDP, comm hook, checkpoint read:
+    the event's ``setup_s``), ``first_batch`` from there to the ``first_step`` event; time between
     driver marks lands in ``other``. Phases that did not happen are absent; ``first_step_s`` is None when the run never
     reached a step."""
     t0 = origin if origin is not None else startup["process_start"]
@@ -90,10 +91,14 @@ def breakdown(startup: dict[str, Any], events: list[dict[str, Any]], origin: flo
             other += m["start"] - cursor
         out[m["phase"]] = out.get(m["phase"], 0.0) + (m["end"] - m["start"])
         cursor = max(cursor, m["end"])
-    start = next((e["time"] for e in events if e.get("event") in ("start", "restart")), None)
+    start_event = next((e for e in events if e.get("event") in ("start", "restart")), None)
+    start = start_event["time"] if start_event is not None else None
     first = next((e["time"] for e in events if e.get("event") == "first_step"), None)
     if start is not None:
-        out["worker_group_start"] = max(0.0, start - cursor)
+        setup = min(float(start_event.get("setup_s", 0.0)), max(0.0, start - cursor))
+        out["worker_group_start"] = max(0.0, start - cursor) - setup
+        if "setup_s" in start_event:
+            out["worker_setup"] = setup
         cursor = max(cursor, start)
     if first is not None:
         out["first_batch"] = max(0.0, first - cursor)

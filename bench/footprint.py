@@ -179,14 +179,9 @@ class Sampler:
                 "worker_titles": titles[:40]}
 
 
-def run_once(label: str, extra: list[str], storage: str, name: str, cache_dir: str, timeout_s: float,
-             every_s: float = 0.5) -> dict[str, Any]:
-    """One ``python app/run.py`` in a subprocess, sampled; its memory and start-up figures."""
-    cmd = [sys.executable, "app/run.py", "--storage", storage, "--name", name, "--scaling.ray_address=local",
-           f"--data.cache_dir={cache_dir}", f"--data.local_cache_dir={os.path.join(cache_dir, 'local')}", *extra]
-    log_path = os.path.join(storage, f"{name}.log")
-    os.makedirs(storage, exist_ok=True)
-    note(f"{label}: {' '.join(cmd[1:])}")
+def _sampled(cmd: list[str], log_path: str, timeout_s: float, every_s: float) -> tuple[float, dict[str, Any]]:
+    """Run ``cmd`` in its own session with its output in ``log_path``, sampling its process tree; returns the
+    start time and {rc, wall_s, load_avg_1m, the sampler's summary}. Killed (with its tree) at ``timeout_s``."""
     load0 = load_avg()
     with open(log_path, "w") as log:
         t0 = time.time()
@@ -199,8 +194,19 @@ def run_once(label: str, extra: list[str], storage: str, name: str, cache_dir: s
             rc = proc.wait()
         wall = time.time() - t0
         sampler.stop()
-    out = {"label": label, "rc": rc, "wall_s": round(wall, 1), "load_avg_1m": [load0, load_avg()],
-           **sampler.summary()}
+    return t0, {"rc": rc, "wall_s": round(wall, 1), "load_avg_1m": [load0, load_avg()], **sampler.summary()}
+
+
+def run_once(label: str, extra: list[str], storage: str, name: str, cache_dir: str, timeout_s: float,
+             every_s: float = 0.5) -> dict[str, Any]:
+    """One ``python app/run.py`` in a subprocess, sampled; its memory and start-up figures."""
+    cmd = [sys.executable, "app/run.py", "--storage", storage, "--name", name, "--scaling.ray_address=local",
+           f"--data.cache_dir={cache_dir}", f"--data.local_cache_dir={os.path.join(cache_dir, 'local')}", *extra]
+    log_path = os.path.join(storage, f"{name}.log")
+    os.makedirs(storage, exist_ok=True)
+    note(f"{label}: {' '.join(cmd[1:])}")
+    t0, out = _sampled(cmd, log_path, timeout_s, every_s)
+    out = {"label": label, **out}
     run_dir = os.path.join(storage, name)
     try:
         from app.startup import FILE, breakdown
@@ -211,11 +217,33 @@ def run_once(label: str, extra: list[str], storage: str, name: str, cache_dir: s
         out.update(breakdown(startup_rec, events, origin=t0))
     except (OSError, ValueError, KeyError) as exc:
         out.update({"first_step_s": None, "phases_s": {}, "timing_error": repr(exc)})
-    if rc != 0:
+    if out["rc"] != 0:
         with open(log_path) as f:
             out["log_tail"] = f.read()[-2000:]
-    note(f"{label}: rc {rc}, peak {out['peak_pss_mb']:.0f} MB {out['by_kind_at_peak']}, first step "
+    note(f"{label}: rc {out['rc']}, peak {out['peak_pss_mb']:.0f} MB {out['by_kind_at_peak']}, first step "
          f"{out.get('first_step_s')} s {out.get('phases_s')}, {out['ray_worker_processes']} Ray worker processes")
+    return out
+
+
+def measure_floor(timeout_s: float, root: str, workers: int, cpus_per_worker: float,
+                  every_s: float = 0.5) -> dict[str, Any]:
+    """A bare Ray Train run (``bench.ray_train_floor``) under the same sampler: Ray Train's own start-up and
+    memory with lightray's worker count, CPUs per worker and local-cluster settings, but no data and no model."""
+    os.makedirs(root, exist_ok=True)
+    out_path = os.path.join(root, "floor.json")
+    cmd = [sys.executable, "-m", "bench.ray_train_floor", "--workers", str(workers),
+           "--cpus-per-worker", str(cpus_per_worker), "--out", out_path]
+    note(f"floor: {' '.join(cmd[1:])}")
+    t0, out = _sampled(cmd, os.path.join(root, "floor.log"), timeout_s, every_s)
+    out = {"label": "ray_train_floor", **out}
+    try:
+        with open(out_path) as f:
+            rec = json.load(f)
+        out.update(first_step_s=round(rec["first_collective"] - t0, 2), phases_s=rec["phases_s"])
+    except (OSError, ValueError, KeyError) as exc:
+        out.update(first_step_s=None, phases_s={}, timing_error=repr(exc))
+    note(f"floor: rc {out['rc']}, peak {out['peak_pss_mb']:.0f} MB {out['by_kind_at_peak']}, first collective "
+         f"{out.get('first_step_s')} s {out.get('phases_s')}")
     return out
 
 
@@ -260,18 +288,28 @@ def measure(extra: list[str], repeats: int, timeout_s: float, root: str, tag: st
     }
 
 
+def _floor(timeout_s: float, root: str, recipe: str) -> dict[str, Any]:
+    from app.config import load_config
+
+    cfg = load_config(recipe)
+    return measure_floor(timeout_s, os.path.join(root, "floor"), cfg.worker_range()[1], cfg.scaling.cpus_per_worker)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.footprint", description=__doc__.split("\n")[0])
     p.add_argument("--smoke-only", action="store_true", help="only the --smoke-test run (fast; the test's size)")
     p.add_argument("--repeats", type=int, default=1, help="cold + warm pairs per size (default 1)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run before it is killed")
     p.add_argument("--keep", metavar="DIR", help="run in DIR and keep the runs' folders (default: a temp dir)")
+    p.add_argument("--no-floor", action="store_true",
+                   help="skip the bare Ray Train run that measures the floor under lightray's figures")
     args = p.parse_args(argv)
     machine = Machine()
     root = args.keep or tempfile.mkdtemp(prefix="lr_footprint_")
     try:
         smoke = measure(["--smoke-test"], args.repeats, args.timeout, root, "smoke")
         demo = None if args.smoke_only else measure([], args.repeats, args.timeout, root, "demo")
+        floor = None if args.no_floor else _floor(args.timeout, root, "smoke" if args.smoke_only else "demo")
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
@@ -287,12 +325,17 @@ def main(argv: list[str] | None = None) -> int:
         "ok": main_m["ok"],
         "smoke": {k: v for k, v in smoke.items() if k != "runs"} if demo is not None else None,
         "runs": main_m["runs"] + (smoke["runs"] if demo is not None else []),
+        "ray_train_floor": floor,
     }
     ratios = {
         "peak_goal_over_peak": ratio(GOALS["peak_pss_mb"], main_m["peak_pss_mb"]),
         "warm_goal_over_first_step": ratio(GOALS["first_step_warm_s"], main_m["first_step_s"]["warm"]),
         "cold_goal_over_first_step": ratio(GOALS["first_step_cold_s"], main_m["first_step_s"]["cold"]),
     }
+    if floor is not None:
+        # How much of lightray's warm start-up and peak memory is Ray Train's own, measured side by side.
+        ratios["floor_over_first_step_warm"] = ratio(floor["first_step_s"], main_m["first_step_s"]["warm"])
+        ratios["floor_over_peak_pss"] = ratio(floor["peak_pss_mb"], main_m["peak_pss_mb"])
     emit("footprint", figures, ratios, machine.finish(repeats=args.repeats, goals=GOALS))
     return 0 if main_m["ok"] else 1
 

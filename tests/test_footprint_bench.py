@@ -42,6 +42,14 @@ def test_footprint_bench_smoke_reports_peak_memory_by_kind_and_time_to_first_ste
         # The phases cover the time to the first step, from the command's start.
         assert abs(sum(phases.values()) - run["first_step_s"]) < 0.5, (phases, run["first_step_s"])
     assert line["ratios"]["peak_goal_over_peak"] > 0
+    # The bare Ray Train run with the same workers: measured by the same sampler, below lightray on both counts
+    # (lightray runs that and its data pipeline, run log and model on top).
+    floor = fig["ray_train_floor"]
+    assert floor["rc"] == 0 and floor["by_kind_at_peak"]["train_workers"] > 50
+    assert {"imports", "ray_start", "worker_group_start"} <= set(floor["phases_s"])
+    assert 0 < floor["first_step_s"] < fig["first_step_s"]["warm"]
+    assert 100 < floor["peak_pss_mb"] < fig["peak_pss_mb"]
+    assert 0 < line["ratios"]["floor_over_first_step_warm"] < 1 and 0 < line["ratios"]["floor_over_peak_pss"] < 1
     assert line["machine"]["load_avg_1m_at_start"] is not None
 
 
@@ -72,5 +80,9 @@ def test_startup_breakdown_is_contiguous_from_the_command_start_to_the_first_ste
                                "calibration": 4.0, "trainer_setup": 0.5, "worker_group_start": 12.5,
                                "first_batch": 3.0, "other": 0.5}
     assert abs(sum(out["phases_s"].values()) - out["first_step_s"]) < 1e-6
+    # A start event that carries the worker's own set-up time splits it off Ray Train's share; the sum holds.
+    split = breakdown(startup, [{"event": "start", "time": 130.0, "setup_s": 2.5}, *events[1:]], origin=99.0)
+    assert split["phases_s"]["worker_group_start"] == 10.0 and split["phases_s"]["worker_setup"] == 2.5
+    assert split["first_step_s"] == 34.0
     # A run that never reached a step has no first step, and says so.
     assert breakdown(startup, [], origin=99.0)["first_step_s"] is None

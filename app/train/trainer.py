@@ -242,7 +242,10 @@ class Trainer:
             self.exporter = ModelExporter(self.run_dir, self.cfg, c.best_top1)
         self.report({"event": "start" if c.starts == 1 else "restart", "samples_seen": c.samples_seen,
                      "world_size": self.world, "checkpoint": resume.checkpoint, "skipped_checkpoints": resume.skipped,
-                     "total_samples": self.sched.total_samples, "ckpt_time": resume.time})
+                     "total_samples": self.sched.total_samples, "ckpt_time": resume.time,
+                     # This worker's own share of the group start (model, DDP, comm hook, checkpoint read),
+                     # so the start-up breakdown can tell it from Ray Train's process start.
+                     "setup_s": round(time.time() - self.t_start, 3)})
         return resume
 
     # --- the loop ----------------------------------------------------------------------------------
