@@ -72,6 +72,7 @@ from bench.common import Machine, emit, load_avg, note, tree_pss_mb
 
 MIN_SCALE = 0.35
 BATCH = 128
+ONE_PROCESS_IMAGES = 512  # images timed per side for the one-process (per-core work) figures
 # Synthetic ResNet-50 training on one H200 (bf16, channels_last, compile, batch 256, 224 px), measured by
 # bench/gpu_check.sh: what one GPU eats when the data is already on it.
 GPU_IMG_S_H200_RN50_224 = 6319.0
@@ -141,6 +142,66 @@ def dataloader(root: pathlib.Path, size: int, workers: int, epochs: int, batch: 
             "peak_mb": mem.peak}
 
 
+def dataloader_one_process(root: pathlib.Path, size: int, batch: int, images: int = ONE_PROCESS_IMAGES) -> float:
+    """images/s of the DataLoader's own work (decode, crop, flip, collate) in this process, no loader workers:
+    its per-core cost, without any inter-process overhead. One untimed batch first (file cache, imports)."""
+    import torch
+    from torchvision import datasets, transforms
+
+    tf = transforms.Compose([transforms.RandomResizedCrop(size, scale=(MIN_SCALE, 1.0)),
+                             transforms.RandomHorizontalFlip(), transforms.PILToTensor()])
+    ds = datasets.ImageFolder(str(root / "train"), transform=tf)
+    loader = torch.utils.data.DataLoader(ds, batch_size=min(batch, len(ds)), shuffle=True, num_workers=0)
+    next(iter(loader))
+    t0, n = time.perf_counter(), 0
+    while n < images:  # as many passes as it takes (a small set is read more than once)
+        for x, _y in loader:
+            n += len(x)
+            if n >= images:
+                break
+    return n / (time.perf_counter() - t0)
+
+
+def lightray_one_process(spec, images: int = ONE_PROCESS_IMAGES) -> float:
+    """images/s of lightray's map function (read from the node-local shard cache, decode, crop, flip, stack)
+    called in this process on the phase's plan blocks, without Ray: the per-core cost of the work its Ray
+    Data tasks do. One untimed block first (the shard's local copy, imports)."""
+    from app.data.ingest import phase_blocks, train_block_batch
+
+    blocks = phase_blocks(spec, 0, 0, 0)
+
+    def run(bl: dict) -> int:
+        out = train_block_batch({k: np.array([bl[k]]) for k in ("epoch", "step0", "nsteps")},
+                                spec=spec, phase=0, rank=0, world_size=1)
+        return len(out["label"])
+
+    run(blocks[0])
+    t0, n, i = time.perf_counter(), 0, 0
+    while n < images:  # the plan's blocks in order, round again if the set is small
+        i = i % (len(blocks) - 1) + 1 if len(blocks) > 1 else 0
+        n += run(blocks[i])
+    return n / (time.perf_counter() - t0)
+
+
+def gap_breakdown(figures: dict, ratios: dict, sizes: list[int], cores: int) -> None:
+    """Split lightray-vs-DataLoader (pre-resized) into the per-image work and the pipeline around it.
+
+    ``*_one_process_images_per_s`` is each side's work per image on one core, without any inter-process
+    machinery; ``*_pipeline_efficiency`` is what the full pipeline delivers over ``cores`` times that (1 = the
+    cores do nothing but that work). The delivered ratio ``shard_vs_dataloader_resized`` is the product of the
+    two ratios written here (per-image work, pipeline efficiency), so a gap reads as one, the other, or both."""
+    for s in sizes:
+        base = figures[f"dataloader_resized_{s}px_one_process_images_per_s"]
+        ours = figures[f"shard_{s}px_one_process_images_per_s"]
+        for name, delivered, one in (("shard", figures[f"shard_{s}px_images_per_s"], ours),
+                                     ("dataloader_resized", figures[f"dataloader_resized_{s}px_images_per_s"], base)):
+            figures[f"{name}_{s}px_pipeline_efficiency"] = round(delivered / max(1e-9, cores * one), 3)
+        ratios[f"work_per_image_shard_vs_dataloader_resized_{s}px"] = round(ours / max(1e-9, base), 3)
+        eff_ours, eff_base = (figures[f"shard_{s}px_pipeline_efficiency"],
+                              figures[f"dataloader_resized_{s}px_pipeline_efficiency"])
+        ratios[f"pipeline_efficiency_shard_vs_dataloader_resized_{s}px"] = round(eff_ours / max(1e-9, eff_base), 3)
+
+
 def _resize_one(job: tuple[str, str, int]) -> None:
     """One image to short side ``short``: JPEG draft mode first (libjpeg's reduced-size IDCT, never below the
     target), then a bicubic resample to the exact size, saved as JPEG quality 90."""
@@ -195,6 +256,7 @@ def baselines(src: pathlib.Path, work: pathlib.Path, sizes: list[int], cores: in
         figures[f"{key}_cold_images_per_s"] = round(res["cold_images"] / (resize_s + res["cold_s"]), 1)
         figures[f"{key}_images_per_s"] = round(res["warm_img_s"] or res["cold_img_s"], 1)
         figures[f"{key}_peak_mb"] = round(max(res["peak_mb"], resize_peak))
+        figures[f"{key}_one_process_images_per_s"] = round(dataloader_one_process(resized, s, batch), 1)
         shutil.rmtree(resized, ignore_errors=True)
     return figures
 
@@ -400,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
             rate, _, peak = lightray_epochs(_spec(manifest, s, str(local), cores, args.epochs, batch))
             figures[f"shard_{s}px_images_per_s"] = round(rate, 1)
             figures[f"shard_{s}px_peak_mb"] = round(peak)
+            figures[f"shard_{s}px_one_process_images_per_s"] = round(
+                lightray_one_process(_spec(manifest, s, str(local), cores, 1, batch)), 1)
             # (d) the object-store level.
             spec = _spec(manifest, s, str(local), cores, args.epochs, batch)
             t0 = time.perf_counter()
@@ -446,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpu: no GPU here; decode_jpeg + crop ran on the CPU device in the consumer, on the same cores as the "
             "Ray Data tasks")
         per_core(figures, sizes, cores, args.gpu_img_s, args.gpu_img_s_size)
+        gap_breakdown(figures, ratios, sizes, cores)
     finally:
         if ray.is_initialized():
             ray.shutdown()

@@ -58,6 +58,14 @@ def check_pipeline(res: dict) -> None:
     assert fig["device_decode_device"].split(":")[0] == fig["device_op_device"]
     assert res["ratios"]["device_decode_over_cpu_aug_32px"] == pytest.approx(
         fig["device_decode_32px_images_per_s"] / fig["shard_32px_images_per_s"], rel=0.02, abs=0.01)
+    # The gap breakdown: per-image work on one core for both sides, and what each pipeline makes of its cores;
+    # the two ratios multiply to the delivered one.
+    for side in ("shard", "dataloader_resized"):
+        assert fig[f"{side}_32px_one_process_images_per_s"] > 0 and fig[f"{side}_32px_pipeline_efficiency"] > 0
+    work = rat["work_per_image_shard_vs_dataloader_resized_32px"]
+    eff = rat["pipeline_efficiency_shard_vs_dataloader_resized_32px"]
+    assert work * eff == pytest.approx(fig["shard_32px_images_per_s"] / fig["dataloader_resized_32px_images_per_s"],
+                                       rel=0.03)
     assert res["ratios"]["device_aug_over_cpu_aug_32px"] == pytest.approx(
         fig["device_32px_images_per_s"] / fig["shard_32px_images_per_s"], rel=0.02, abs=0.01)
 
