@@ -181,8 +181,9 @@ class NodeCluster:
     pinned explicitly (and this process's cached Ray config refreshed) rather than left to history. Ray Train's
     drain poll (5 s by default) is shortened to 0.5 s, and the GCS health check of the nodes runs every second
     instead of every 3 s: a killed node is then marked dead (and its Train workers failed over) after about 6 s
-    instead of 15 s, measured here. The 10 s timeout of each check and the 5 misses in a row it takes stay
-    Ray's defaults, so that a loaded but live node is not declared dead.
+    instead of 15 s, measured here (a restart that must leave a lost node out, after a short worker-group start
+    timeout, then finds it dead). The 10 s timeout of each check and the 5 misses in a row it takes stay Ray's
+    defaults, so that a loaded but live node is not declared dead.
     """
 
     ENV = {"RAY_AUTH_MODE": "token", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5",

@@ -120,10 +120,7 @@ class FakeCluster:
             "--disable-usage-stats",
         ]
         # AUTOSCALER_UPDATE_INTERVAL_S=1: the monitor looks at demand every second instead of every 5.
-        # RAY_health_check_period_ms=1000: the GCS checks each node every second instead of every 3 s, so that a
-        # killed machine is marked dead after about 6 s instead of 15 (each check's 10 s timeout and the 5 misses
-        # in a row stay Ray's defaults: a loaded but live node is not declared dead).
-        env = self.env(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_health_check_period_ms="1000")
+        env = self.env(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1")
         env.pop("RAY_ADDRESS")
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
         if res.returncode != 0:
