@@ -30,8 +30,9 @@ of the same recipe and seed on the same cluster; ``ratios.wall_over_uninterrupte
 ``--group-start-timeout-s`` sets Ray Train's worker-group start timeout in the driver (default: Ray's 60 s). After
 a preemption the elastic group's restart asks for the full size while Ray Train still counts the draining node,
 and waits that long for a placement group that cannot be made before falling back to the nodes left: measured
-here, 60 of the 80 s from the preemption checkpoint to the restart. A short form may lower it (a timed-out start
-is retried, never charged to ``max_failures``); the default figures keep Ray's.
+here, 60 of the 80 s from the preemption checkpoint to the restart (57 s with 15: the retries keep asking for
+the full size until the draining node is gone). A short form may lower it (a timed-out start is retried, never
+charged to ``max_failures``); the default figures keep Ray's.
 
 ``--minutes`` sets the length: the run's epochs grow with it (about one epoch a minute on a loaded 2-core
 machine, faults included; the default 10 is the soak). The machine is shared: ``machine`` carries the load
