@@ -27,6 +27,13 @@ size). ``figures.audit_exact``: per epoch, the sample ids the final model carrie
 multiset (tests/faults.py). ``ratios.top1_over_uninterrupted``: final top-1 over that of an uninterrupted run
 of the same recipe and seed on the same cluster; ``ratios.wall_over_uninterrupted`` the wall times.
 
+``--group-start-timeout-s`` sets Ray Train's worker-group start timeout in the driver (default: Ray's 60 s). After
+a preemption the elastic group's restart asks for the full size while Ray Train still counts the draining node,
+and waits that long for a placement group that cannot be made before falling back to the nodes left: measured
+here, 60 of the 80 s from the preemption checkpoint to the restart (57 s with 15: the retries keep asking for
+the full size until the draining node is gone). A short form may lower it (a timed-out start is retried, never
+charged to ``max_failures``); the default figures keep Ray's.
+
 ``--minutes`` sets the length: the run's epochs grow with it (about one epoch a minute on a loaded 2-core
 machine, faults included; the default 10 is the soak). The machine is shared: ``machine`` carries the load
 averages. Run: ``python -m bench.chaos [--minutes 10] [--seed 0]``. Prints ONE JSON line.
@@ -119,8 +126,9 @@ class Soak:
     """One run under the fault plan; ``run()`` returns the per-kind figures."""
 
     def __init__(self, nodes: NodeCluster, storage: pathlib.Path, cache: pathlib.Path, name: str, epochs: int,
-                 seed: int, imds, kinds: tuple[str, ...] = PRIMARY):
+                 seed: int, imds, kinds: tuple[str, ...] = PRIMARY, env: dict | None = None):
         self.nodes, self.storage, self.cache, self.name = nodes, storage, cache, name
+        self.env = env or {}
         self.kinds = kinds
         self.epochs, self.seed, self.imds = epochs, seed, imds
         self.run_dir = storage / name
@@ -134,7 +142,7 @@ class Soak:
     # -- the driver ------------------------------------------------------------------------------------
     def _start_driver(self, resume: bool) -> None:
         self.proc = cluster_driver(self.nodes, self.storage, self.name, *self.args, *(["--resume"] if resume else []),
-                                   cache=self.cache, epochs=self.epochs)
+                                   cache=self.cache, epochs=self.epochs, env=self.env)
         # Read the driver's output as it comes: a long soak prints more than a pipe holds, and a driver blocked
         # on a full pipe would look like a hung run.
         lines: list[str] = []
@@ -308,10 +316,10 @@ class Soak:
 
 
 def reference_run(nodes: NodeCluster, storage: pathlib.Path, cache: pathlib.Path, name: str, epochs: int,
-                  seed: int) -> tuple[dict, float]:
+                  seed: int, env: dict | None = None) -> tuple[dict, float]:
     t0 = time.time()
     proc = cluster_driver(nodes, storage, name, "--workers", f"1:{nodes.n_workers}", "--checkpoint.keep=3",
-                          f"--scaling.seed={seed}", cache=cache, epochs=epochs)
+                          f"--scaling.seed={seed}", cache=cache, epochs=epochs, env=env)
     try:
         finish(proc, timeout=STEP_TIMEOUT_S * 2)
     finally:
@@ -331,7 +339,13 @@ def main(argv: list[str] | None = None) -> int:
                         "follows every node loss")
     p.add_argument("--no-reference", action="store_true",
                    help="skip the uninterrupted reference run (no top1/wall ratios; the test's short form)")
+    p.add_argument("--group-start-timeout-s", type=float, default=None,
+                   help="Ray Train's worker-group start timeout in the driver (default: Ray's, 60 s)")
     args = p.parse_args(argv)
+    if args.group_start_timeout_s is not None and args.group_start_timeout_s <= 0:
+        p.error(f"--group-start-timeout-s={args.group_start_timeout_s}: expected a positive number of seconds")
+    driver_env = ({} if args.group_start_timeout_s is None else
+                  {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": f"{args.group_start_timeout_s:g}"})
     kinds = tuple(k.strip() for k in args.faults.split(",") if k.strip())
     unknown = sorted(set(kinds) - set(PRIMARY))
     if unknown or not kinds:
@@ -348,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     epochs = epochs_for(args.minutes)
     stamp = time.strftime("%H%M%S")
     with NodeCluster(workers=args.nodes) as nodes, ImdsServer() as imds:
-        soak = Soak(nodes, storage, cache, f"chaos-{stamp}", epochs, args.seed, imds, kinds)
+        soak = Soak(nodes, storage, cache, f"chaos-{stamp}", epochs, args.seed, imds, kinds, env=driver_env)
         try:
             wall = soak.run()
         finally:
@@ -358,13 +372,15 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_reference:
             while len(nodes.nodes) < args.nodes:  # the reference runs on the full cluster
                 nodes.add_worker()
-            ref, ref_wall = reference_run(nodes, storage, cache, f"reference-{stamp}", epochs, args.seed)
+            ref, ref_wall = reference_run(nodes, storage, cache, f"reference-{stamp}", epochs, args.seed,
+                                          env=driver_env)
     figures = soak.figures()
     diff = same_multiset(carried_samples(soak.run_dir), planned_samples(soak.run_dir))
     figures.update({
         "audit_exact": diff == {}, "audit_diff": {str(k): v for k, v in diff.items()},
         "uninterrupted_top1": ref["final_top1"], "epochs": epochs, "seed": args.seed,
         "plan": fault_plan(args.seed, kinds), "wall_s": round(wall, 1),
+        "group_start_timeout_s": args.group_start_timeout_s,
         "uninterrupted_wall_s": round(ref_wall, 1) if ref_wall else None,
         "overhead_s": round(wall - ref_wall, 1) if ref_wall else None,
         "all_survived": all(r["survived"] == r["injected"] for r in figures["faults"].values()),

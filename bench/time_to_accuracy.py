@@ -3,6 +3,7 @@
     python -m bench.time_to_accuracy                       # targets 0.5 and 0.8, the recipe's 16 epochs, 3 repeats
     python -m bench.time_to_accuracy --repeats 1 --no-example
     python -m bench.time_to_accuracy --quick               # 4 classes, 1,200 images, 8 epochs: checks it works
+    python -m bench.time_to_accuracy --quick --example-epochs 2   # the smallest check (the test's)
 
 Same data (``app.data.demo.ensure_demo`` with the recipe's data settings, made once before any side runs and
 not timed), same model (``build_model`` with the recipe's model section: resnet_tiny, channels_last), same
@@ -25,7 +26,9 @@ after every epoch. The recipe is read from ``app/recipes/demo.yaml`` (through ``
     on every parameter, ``StepLR`` /10 every 30% of the epochs, plain cross-entropy, no warm-up, NCHW. Its
     LR is chosen by a small sweep (``--example-lr-per-256``, three values by default, the example's own 0.1
     among them): in the first repeat every value runs; the one that reaches the highest target soonest
-    (else the best top-1) is used in later repeats; every sweep run is reported. ``--no-example`` skips it.
+    (else the best top-1) is used in later repeats; every sweep run is reported. ``--no-example`` skips it;
+    ``--example-epochs N`` caps its epochs (default: the recipe's; its LR steps keep falling at 30% of them),
+    which makes the sweep, three whole runs, cheap enough for a correctness check.
 (c) ``lightray``: ``run_training(load_config("demo", overrides))``: the recipe as shipped (2 workers,
     progressive resizing, its schedule and epochs); overrides only set storage, run name, seed, a fresh local
     Ray cluster and ``report.targets``. It runs its whole schedule; time to target is read from its metrics.
@@ -226,7 +229,7 @@ def run_tuned_plain(tree: str, cfg, *, targets: list[float], threads: int, loade
 
 # --- (b) the PyTorch ImageNet example ---------------------------------------------------------------
 def run_example(tree: str, cfg, *, targets: list[float], lr_per_256: float, threads: int, loader_workers: int,
-                seed: int) -> dict[str, Any]:
+                seed: int, epochs: int | None = None) -> dict[str, Any]:
     import torchvision.transforms as T
     from torch import nn
 
@@ -249,7 +252,7 @@ def run_example(tree: str, cfg, *, targets: list[float], lr_per_256: float, thre
                         len(train_set.classes))
     lr = lr_per_256 * EXAMPLE_BATCH / 256
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=1e-4)
-    epochs = int(cfg.schedule.epochs)
+    epochs = int(cfg.schedule.epochs) if epochs is None else epochs
     step_every = max(1, round(0.3 * epochs))
 
     def set_lr(epoch: int, step: int, steps_per_epoch: int) -> None:
@@ -260,7 +263,7 @@ def run_example(tree: str, cfg, *, targets: list[float], lr_per_256: float, thre
                                    epochs=epochs, targets=targets, channels_last=False, t_start=t_start,
                                    label=f"pytorch example (lr/256 {lr_per_256:g})")
     return _side_result(history, targets, startup, time.perf_counter() - t_start, lr_per_256=lr_per_256, lr=lr,
-                        lr_step_every_epochs=step_every)
+                        lr_step_every_epochs=step_every, epochs=epochs)
 
 
 def _example_rank(res: dict[str, Any], targets: list[float]) -> tuple:
@@ -339,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--example-lr-per-256", type=float, nargs="+", default=list(EXAMPLE_LRS_PER_256),
                    help="the PyTorch example's LR sweep, per 256 images (its batch is 128)")
     p.add_argument("--no-example", action="store_true", help="skip the PyTorch-example baseline")
+    p.add_argument("--example-epochs", type=int, default=None,
+                   help="the PyTorch example's epochs (default: the recipe's); fewer make a quick check quicker")
     p.add_argument("--storage", default=DEFAULT_STORAGE,
                    help="lightray storage; its cache/ holds the demo tree and shard cache, kept between runs")
     p.add_argument("--quick", action="store_true", help="4 classes, 1,200 images, 8 epochs, 1 repeat: a check")
@@ -346,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
     if repeats < 1:
         p.error(f"--repeats={repeats}: expected a positive integer")
+    if args.example_epochs is not None and args.example_epochs < 1:
+        p.error(f"--example-epochs={args.example_epochs}: expected a positive integer")
     overrides = quick_overrides() if args.quick else {}
 
     from app.config import load_config
@@ -388,14 +395,14 @@ def main(argv: list[str] | None = None) -> int:
             for lr in args.example_lr_per_256:
                 note(f"repeat {rep + 1}: PyTorch example, LR sweep {lr:g} per 256 (load {load_avg()})")
                 sweep.append(run_example(tree, demo_cfg, targets=targets, lr_per_256=lr, threads=threads,
-                                         loader_workers=loader_workers, seed=seed))
+                                         loader_workers=loader_workers, seed=seed, epochs=args.example_epochs))
             best = min(sweep, key=lambda r: _example_rank(r, targets))
             chosen_lr = best["lr_per_256"]
             example_runs.append(best)
         else:
             note(f"repeat {rep + 1}: PyTorch example at the swept LR {chosen_lr:g} per 256 (load {load_avg()})")
             example_runs.append(run_example(tree, demo_cfg, targets=targets, lr_per_256=chosen_lr, threads=threads,
-                                            loader_workers=loader_workers, seed=seed))
+                                            loader_workers=loader_workers, seed=seed, epochs=args.example_epochs))
 
     tuned0 = tuned_runs[0]
     final = demo_cfg.schedule.phases[-1]
@@ -420,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     if example_runs:
         figures["pytorch_example"] = {
             **summarize_side(example_runs, targets), "lr_per_256": chosen_lr, "batch": EXAMPLE_BATCH,
-            "lr_step_every_epochs": example_runs[0]["lr_step_every_epochs"],
+            "lr_step_every_epochs": example_runs[0]["lr_step_every_epochs"], "epochs": example_runs[0]["epochs"],
             "lr_sweep": [{"lr_per_256": r["lr_per_256"], "best_top1": round(r["best_top1"], 4),
                           "chosen": r["lr_per_256"] == chosen_lr, "top1_per_epoch": r["top1_per_epoch"],
                           "train_s_to_target": {k: None if v["train_s"] is None else round(v["train_s"], 2)

@@ -76,9 +76,11 @@ def test_lost_node_is_replaced_and_the_model_carries_each_planned_sample_once(no
 
 def test_elastic_run_shrinks_to_one_worker_and_grows_back_on_the_recipes_lr_and_global_batch(
         nodes, tmp_path, shared_cache):
-    # 8 epochs (112 steps): the world-size-1 stretch must last past the scale-up's start.
+    # 8 epochs (112 steps): the world-size-1 stretch must last past the scale-up's start. Right after the loss Ray
+    # Train still asks for 2 workers and waits for that placement group until its worker-group start timeout
+    # before it falls back to 1: 15 s instead of Ray's 60 (a timed-out start is retried, not charged as a failure).
     proc = cluster_driver(nodes, tmp_path, "elastic", "--workers", "1:2", "--scaling.resize_check_s=2",
-                          cache=shared_cache, epochs=8)
+                          cache=shared_cache, epochs=8, env={"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15"})
     run = tmp_path / "elastic"
     try:
         wait_for(lambda: checkpoints(run), 300, "the first checkpoint", proc)
