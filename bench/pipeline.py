@@ -64,6 +64,7 @@ used by bench/gpu_check.sh). Prints ONE JSON line.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import pathlib
 import shutil
@@ -71,6 +72,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
@@ -126,15 +128,31 @@ class PeakMemory:
         self.peak = max(self.peak, tree_pss_mb(os.getpid()))
 
 
-def dataloader(root: pathlib.Path, size: int, workers: int, epochs: int, batch: int) -> dict[str, float | None]:
-    """torchvision ImageFolder + DataLoader over ``root``/train: the first pass's and the later passes' images/s
-    (``None`` with a single pass), the first pass's seconds, and the peak memory (MB) over all passes."""
-    import torch
+def _folder_dataset(root: pathlib.Path, size: int):
+    """The baseline's dataset: ImageFolder over ``root``/train with the same augmentation as lightray's."""
     from torchvision import datasets, transforms
 
     tf = transforms.Compose([transforms.RandomResizedCrop(size, scale=(MIN_SCALE, 1.0)),
                              transforms.RandomHorizontalFlip(), transforms.PILToTensor()])
-    ds = datasets.ImageFolder(str(root / "train"), transform=tf)
+    return datasets.ImageFolder(str(root / "train"), transform=tf)
+
+
+def _one_process_rate(batches: Iterator[int], images: int) -> float:
+    """images/s over ``batches`` (each step yields how many images it handled), after one untimed step (the
+    file cache, imports, a shard's local copy), until ``images`` have been timed."""
+    next(batches)
+    t0, n = time.perf_counter(), 0
+    while n < images:
+        n += next(batches)
+    return n / (time.perf_counter() - t0)
+
+
+def dataloader(root: pathlib.Path, size: int, workers: int, epochs: int, batch: int) -> dict[str, float | None]:
+    """torchvision ImageFolder + DataLoader over ``root``/train: the first pass's and the later passes' images/s
+    (``None`` with a single pass), the first pass's seconds, and the peak memory (MB) over all passes."""
+    import torch
+
+    ds = _folder_dataset(root, size)
     counts, secs = [], []
     with PeakMemory() as mem:
         for _ in range(epochs):
@@ -152,43 +170,28 @@ def dataloader(root: pathlib.Path, size: int, workers: int, epochs: int, batch: 
 
 def dataloader_one_process(root: pathlib.Path, size: int, batch: int, images: int = ONE_PROCESS_IMAGES) -> float:
     """images/s of the DataLoader's own work (decode, crop, flip, collate) in this process, no loader workers:
-    its per-core cost, without any inter-process overhead. One untimed batch first (file cache, imports)."""
+    its per-core cost, without any inter-process overhead."""
     import torch
-    from torchvision import datasets, transforms
 
-    tf = transforms.Compose([transforms.RandomResizedCrop(size, scale=(MIN_SCALE, 1.0)),
-                             transforms.RandomHorizontalFlip(), transforms.PILToTensor()])
-    ds = datasets.ImageFolder(str(root / "train"), transform=tf)
+    ds = _folder_dataset(root, size)
     loader = torch.utils.data.DataLoader(ds, batch_size=min(batch, len(ds)), shuffle=True, num_workers=0)
-    next(iter(loader))
-    t0, n = time.perf_counter(), 0
-    while n < images:  # as many passes as it takes (a small set is read more than once)
-        for x, _y in loader:
-            n += len(x)
-            if n >= images:
-                break
-    return n / (time.perf_counter() - t0)
+    # As many passes as it takes: a small set is read more than once.
+    return _one_process_rate((len(x) for _ in itertools.count() for x, _y in loader), images)
 
 
 def lightray_one_process(spec, images: int = ONE_PROCESS_IMAGES) -> float:
     """images/s of lightray's map function (read from the node-local shard cache, decode, crop, flip, stack)
     called in this process on the phase's plan blocks, without Ray: the per-core cost of the work its Ray
-    Data tasks do. One untimed block first (the shard's local copy, imports)."""
+    Data tasks do."""
     from app.data.ingest import phase_blocks, train_block_batch
-
-    blocks = phase_blocks(spec, 0, 0, 0)
 
     def run(bl: dict) -> int:
         out = train_block_batch({k: np.array([bl[k]]) for k in ("epoch", "step0", "nsteps")},
                                 spec=spec, phase=0, rank=0, world_size=1)
         return len(out["label"])
 
-    run(blocks[0])
-    t0, n, i = time.perf_counter(), 0, 0
-    while n < images:  # the plan's blocks in order, round again if the set is small
-        i = i % (len(blocks) - 1) + 1 if len(blocks) > 1 else 0
-        n += run(blocks[i])
-    return n / (time.perf_counter() - t0)
+    # The plan's blocks in order, round again if the set is small.
+    return _one_process_rate((run(bl) for bl in itertools.cycle(phase_blocks(spec, 0, 0, 0))), images)
 
 
 def gap_breakdown(figures: dict, ratios: dict, sizes: list[int], cores: int) -> None:
