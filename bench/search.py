@@ -1,11 +1,14 @@
 """``python -m bench.search``: what a trial's start-up costs with and without the shared start-up, and Optuna
 TPE + ASHA against random search at the same budget in trial-seconds, over several seeds.
 
-Part 1, start-up: the same small FIFO search twice (random sampler, one trial at a time so that trials do
-not slow each other's start), first with ``share_startup: false`` (every trial prepares, decodes its tiers
-and calibrates), then with ``true`` (done once per experiment). Figures: each trial's seconds from its
-start to its first training step, split into phases (``app.tune.trial_startup``), medians per search.
-Ratio ``startup_after_over_before`` = median first-step seconds, shared over not shared (goal <= 0.25).
+Part 1, start-up: the same small FIFO search three times (random sampler, one trial at a time so that
+trials do not slow each other's start): ``before_not_shared`` (each trial a Ray Train worker group that
+prepares, decodes its tiers and calibrates: how trials started when the issue was filed), ``train_shared``
+(worker groups, with the data work done once per experiment) and ``after_inline_shared`` (shared, and each
+one-worker trial trains in its own Tune process: ``trial_runner: inline``). Figures: each trial's seconds
+from its start to its first training step, split into phases (``app.tune.trial_startup``), medians per
+search. Ratio ``startup_after_over_before`` = median first-step seconds, after over before (goal <= 0.25);
+``startup_shared_over_before`` isolates what sharing alone gives.
 
 Part 2, the comparison: TPE + ASHA and random search (no early stopping), ``--seeds`` searches each with
 different seeds (TPE seeds s, s+1, ...; random seeds s+1000, ...: no two searches share their first
@@ -163,19 +166,24 @@ def _search(name: str, root: pathlib.Path, space: pathlib.Path) -> dict[str, Any
 
 def startup_part(root: pathlib.Path, args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     out: dict[str, Any] = {}
-    for label, share in (("before_not_shared", False), ("after_shared", True)):
-        note(f"start-up: {args.startup_trials} trials, share_startup={share}")
+    settings = (("before_not_shared", False, "train"), ("train_shared", True, "train"),
+                ("after_inline_shared", True, "inline"))
+    for label, share, runner in settings:
+        note(f"start-up: {args.startup_trials} trials, share_startup={share}, trial_runner={runner}")
         space = _space(root / f"startup-{label}.yaml", args, trials=args.startup_trials, concurrent=1,
                        budget={"epochs": 1}, scheduler={"name": "fifo"}, share_startup=share,
-                       searcher={"name": "random", "seed": args.seed + 500})
+                       trial_runner=runner, searcher={"name": "random", "seed": args.seed + 500})
         res = _search(f"startup-{label}", root, space)
-        out[label] = dict(res["startup"], shared_build_s=res["shared_build_s"],
+        out[label] = dict(res["startup"], shared_build_s=res["shared_build_s"], trial_runner=runner,
                           per_trial=[t["startup"] for t in res["trials"]])
-    before = out["before_not_shared"]["first_step_s_median"]
-    after = out["after_shared"]["first_step_s_median"]
-    ratios = {"startup_after_over_before": round(after / before, 3) if before and after else None}
-    b_rng, a_rng = out["before_not_shared"].get("first_step_s_min_max"), out["after_shared"].get("first_step_s_min_max")
+    before = out["before_not_shared"]
+    ratios = {}
+    for key, label in (("startup_after_over_before", "after_inline_shared"),
+                       ("startup_shared_over_before", "train_shared")):
+        b, a = before["first_step_s_median"], out[label]["first_step_s_median"]
+        ratios[key] = round(a / b, 3) if a and b else None
     # Resolved only when the two searches' ranges do not overlap: under load one trial's start can vary more.
+    b_rng, a_rng = before.get("first_step_s_min_max"), out["after_inline_shared"].get("first_step_s_min_max")
     ratios["startup_resolved"] = bool(b_rng and a_rng and (a_rng[1] < b_rng[0] or b_rng[1] < a_rng[0]))
     return out, ratios
 
@@ -225,12 +233,22 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     machine = Machine()
 
-    import ray
 
-    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     figures: dict[str, Any] = {"concurrent": args.concurrent, "epochs_per_trial": args.epochs,
                                "limit_train": args.limit_train, "seeds_per_method": args.seeds}
     ratios: dict[str, Any] = {}
+    # stdout carries the one JSON line: Ray's own warnings (the raylet's, printed by the driver between
+    # searches) go to stderr with everything else.
+    with contextlib.redirect_stdout(sys.stderr):
+        _run_parts(args, figures, ratios)
+    emit("search", figures, ratios, machine.finish(argv, ray_num_cpus=args.num_cpus))
+    return 0
+
+
+def _run_parts(args: argparse.Namespace, figures: dict[str, Any], ratios: dict[str, Any]) -> None:
+    import ray
+
+    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         with tempfile.TemporaryDirectory(prefix="bench-search-") as tmp:
             root = pathlib.Path(tmp)
@@ -242,8 +260,6 @@ def main(argv: list[str] | None = None) -> int:
                 ratios.update(r)
     finally:
         ray.shutdown()
-    emit("search", figures, ratios, machine.finish(argv, ray_num_cpus=args.num_cpus))
-    return 0
 
 
 if __name__ == "__main__":

@@ -50,3 +50,21 @@ def test_calibration_cache_misses_for_other_data_or_another_machine(tmp_path, ra
     assert autotune_cache.load(spec.local_dir, other_machine) is None
     spec.phases[0].shards.sha256 = ["0" * 64] * len(spec.phases[0].shards.sha256)  # other shards
     assert autotune_cache.load(spec.local_dir, autotune_cache.key_for(spec, 0, 2.0, 1.0, None)) is None
+
+
+def test_calibration_runs_from_inside_a_small_placement_group_like_a_search_trial(tmp_path, ray_local):
+    # A Tune trial's placement group captures the tasks its process starts; it has no bundle for the
+    # whole-core calibration tasks, which must run where Ray Data would run the map tasks they size.
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    spec = _spec(tmp_path)
+    pg = placement_group([{"CPU": 0.1}, {"CPU": 0.5}])
+    ray.get(pg.ready(), timeout=60)
+    try:
+        in_trial = ray.remote(num_cpus=0.1)(autotune.measure).options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_capture_child_tasks=True))
+        rate = ray.get(in_trial.remote(spec, 0, 2, 1.0, 0.5, rows=16), timeout=120)
+    finally:
+        remove_placement_group(pg)
+    assert rate > 0

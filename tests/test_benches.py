@@ -193,3 +193,30 @@ def test_time_to_accuracy_ratios_are_baseline_over_lightray_per_repeat_with_miss
     assert train["runs"] == [3.0, 2.0, None] and train["missing"] == 1 and train["median"] == 2.5
     assert train["resolved"] is True  # spread 1.0 < gap 1.5
     assert out["vs_x_wall_s"]["0.5"]["runs"] == [2.0, pytest.approx(50 / 30, abs=1e-3), None]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_search_bench_measures_each_trial_start_and_compares_samplers_on_trial_seconds():
+    # Smallest size: one trial per start-up search, one search per sampler of a 40 trial-s budget.
+    res = _one_json_line(["bench.search", "--seeds", "1", "--budget-trial-s", "40", "--startup-trials", "1",
+                          "--epochs", "1", "--limit-train", "128", "--limit-val", "64", "--max-trials", "4",
+                          "--concurrent", "2", "--n-startup", "2"], timeout=1700)
+    start, rat = res["figures"]["startup"], res["ratios"]
+    assert set(start) == {"before_not_shared", "train_shared", "after_inline_shared"}
+    for label, s in start.items():
+        assert s["trials"] == 1 and s["first_step_s_median"] > 0, (label, s)
+        group = "inline_start" if s["trial_runner"] == "inline" else "worker_group_start"
+        assert group in s["phases_s_median"], (label, s)
+    assert start["after_inline_shared"]["trial_runner"] == "inline"
+    assert start["before_not_shared"]["shared_build_s"] == 0.0 < start["after_inline_shared"]["shared_build_s"]
+    before = start["before_not_shared"]["first_step_s_median"]
+    assert rat["startup_after_over_before"] == pytest.approx(
+        start["after_inline_shared"]["first_step_s_median"] / before, abs=1e-3)
+    cmp = res["figures"]["comparison"]
+    assert cmp["budget_trial_s"] == 40.0
+    for method in ("tpe_asha", "random"):
+        (search,) = cmp["searches"][method]
+        assert search["trials"] >= 1 and search["finished_with_metric"] >= 1, search
+        assert all(b[0] >= 0 and 0.0 <= b[1] <= 1.0 for b in search["curve"]), search
+    assert "random_over_tpe_asha_trial_s_to_same_best" in rat

@@ -54,6 +54,8 @@ def write_space(path: pathlib.Path, **over) -> pathlib.Path:
 def local_ray():
     # 6 logical CPUs: room for 2 trials plus the worker placement groups that trials stopped by ASHA can
     # leave behind while Ray's PlacementGroupCleaner has no State API (no dashboard here).
+    if ray.is_initialized():  # another module's cluster (4 CPUs): this one needs its own
+        ray.shutdown()
     ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
@@ -86,11 +88,14 @@ def test_search_runs_trials_stops_weak_ones_and_writes_a_runnable_best_recipe(tm
     for t in trials:
         assert t["stop_rung"] == 1 and t["samples_seen"] in (128, 256)
         assert (t["samples_seen"] == 128) == (t["state"] == "EARLY_STOPPED")
-    # Every trial's start-up is broken down to its first step, and the data work was shared.
+    # Every trial's start-up is broken down to its first step, and the data work was shared. One-worker
+    # trials train in their own Tune process (trial_runner auto -> inline): no worker group to start.
     for t in trials:
         ph = t["startup"]["phases_s"]
         assert t["startup"]["shared"] and t["startup"]["first_step_s"] > 0
-        assert {"worker_group_start", "first_batch", "materialisation", "data_prepare"} <= set(ph)
+        assert t["startup"]["runner"] == "inline"
+        assert {"inline_start", "first_batch", "materialisation", "data_prepare"} <= set(ph)
+        assert "worker_group_start" not in ph
         events = [json.loads(line) for line in (pathlib.Path(t["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
         cache = [e for e in events if e.get("unit") == "data_cache" and e.get("served")]
         assert cache and all(e.get("shared") for e in cache), cache
@@ -139,8 +144,9 @@ def _terminated_in_state(exp: pathlib.Path) -> int:
 
 
 def test_killed_driver_resumes_with_finished_trials_kept(tmp_path):
+    # Trials as Ray Train worker groups (the runner multi-worker trials use), the other runner's path.
     space = write_space(tmp_path / "space.yaml", trials=2, concurrent=1, scheduler={"name": "fifo"},
-                        budget={"epochs": 2})
+                        budget={"epochs": 2}, trial_runner="train")
     storage = tmp_path / "runs"
     args = ["--config", "smoke", "--tune", "--space", str(space), "--storage", str(storage), "--name", "exp"]
     env = dict(os.environ, TUNE_GLOBAL_CHECKPOINT_S="1", PYTHONPATH=str(REPO))
@@ -179,6 +185,8 @@ def test_killed_driver_resumes_with_finished_trials_kept(tmp_path):
     assert (finished[0] / "summary.json").read_bytes() == done_summary
     assert (finished[0] / "metrics.jsonl").read_text().count('"event": "start"') == starts_before
     assert (exp / "best_recipe.yaml").is_file()
+    assert all(t["startup"]["runner"] == "train" and "worker_group_start" in t["startup"]["phases_s"]
+               for t in trials if t["startup"]), trials
 
 
 def test_ended_trial_placement_groups_recorded_by_the_run_are_freed(tmp_path, local_ray):

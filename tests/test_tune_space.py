@@ -11,13 +11,14 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 
 from app.config import ConfigError, load_config
 from app.tune.objective import Objective
-from app.tune.search import fit_concurrency, format_table
+from app.tune.search import fit_concurrency, format_table, trial_bundles
 from app.tune.space import (
     SPACES_DIR,
     apply_params,
     base_for_trials,
     load_space,
     parse_space,
+    trial_runner,
 )
 
 BASE = {"params": {"optim.lr_per_256": {"dist": "loguniform", "low": 0.01, "high": 1.0}}}
@@ -310,3 +311,29 @@ def test_share_startup_switch_and_total_time_budget_parse_and_round_trip(demo_cf
         parse_space(space(share_startup="yes"), demo_cfg)
     with pytest.raises(ConfigError, match="total_time_s"):
         parse_space(space(budget={"total_time_s": -1}), demo_cfg)
+
+
+def test_trial_runner_is_inline_only_for_one_worker_trials_and_says_why_not(demo_cfg):
+    one = base_for_trials(demo_cfg, parse_space(space(fixed={"scaling.workers": "1"}), demo_cfg))
+    two = base_for_trials(demo_cfg, parse_space(space(fixed={"scaling.workers": "2"}), demo_cfg))
+    auto = parse_space(space(), demo_cfg)
+    assert auto.trial_runner == "auto"
+    assert trial_runner(auto, one) == "inline" and trial_runner(auto, two) == "train"
+    searched = parse_space(space(params={**BASE["params"], "scaling.cpus_per_worker": {
+        "dist": "choice", "values": [0.5, 1.0]}}), demo_cfg)
+    assert trial_runner(searched, one) == "train"  # scaling.* searched: not decided per experiment
+    forced = parse_space(space(trial_runner="train"), demo_cfg)
+    assert trial_runner(forced, one) == "train"
+    assert parse_space(yaml.safe_load(yaml.safe_dump(forced.to_dict())), demo_cfg).trial_runner == "train"
+    with pytest.raises(ConfigError, match="trial_runner: bad value 'inline' with scaling.workers='2'"):
+        trial_runner(parse_space(space(trial_runner="inline"), demo_cfg), two)
+    with pytest.raises(ConfigError, match="trial_runner: bad value 'local'; allowed: auto, inline, train"):
+        parse_space(space(trial_runner="local"), demo_cfg)
+
+
+def test_inline_trial_holds_the_worker_cpus_in_its_own_bundle():
+    cfg = load_config("demo", {"scaling.workers": "1", "scaling.cpus_per_worker": 0.5})
+    assert trial_bundles(cfg, inline=True)[0] == {"CPU": 0.5}
+    assert trial_bundles(cfg)[0]["CPU"] < 0.5  # a Train trial only waits on its worker group
+    # The same trials fit either way: the worker's CPUs are counted once, in the bundle or in the group.
+    assert fit_concurrency(cfg, 8, {"CPU": 4.0}, inline=True)[0] == fit_concurrency(cfg, 8, {"CPU": 4.0})[0]

@@ -82,7 +82,13 @@ def measure(spec: IngestSpec, phase: int, concurrency: int, cpus: float, seconds
             rows: int = CALIBRATION_ROWS, start: int = 0) -> float:
     """Delivered images/s with ``concurrency`` tasks of ``rows`` images kept in flight for ``seconds``
     (tasks still running at the deadline are waited for and counted, so no concurrency is favoured)."""
-    task = ray.remote(num_cpus=cpus, max_retries=0)(_calibration_task)
+    from ray.data import DataContext
+
+    # Placed the way Ray Data places the map tasks being sized (its scheduling strategy, not the caller's
+    # placement group): a search trial's group has no bundle for a whole-core task, and capture into it
+    # failed every unshared trial on data big enough to calibrate.
+    task = ray.remote(num_cpus=cpus, max_retries=0,
+                      scheduling_strategy=DataContext.get_current().scheduling_strategy)(_calibration_task)
     spec_ref = ray.put(spec)
     n_total = max(1, sum(spec.phases[phase].shards.rows))
     pos, done, pending = start, 0, []

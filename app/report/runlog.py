@@ -23,8 +23,11 @@ def actor_name(run_name: str) -> str:
     return f"runlog-{run_name}"
 
 
-@ray.remote(num_cpus=0)
-class RunLog:
+class RunLogWriter:
+    """Appends the run's records to metrics.jsonl (and TensorBoard). Runs as the ``RunLog`` actor, so that
+    every worker of a group logs to one file; a run of one worker in its own process keeps it in-process
+    (``app/train/inline.py``: no actor to start, and nothing queued is lost when the process is stopped)."""
+
     def __init__(self, local_dir: str, tensorboard: bool = True):
         storage.makedirs(local_dir)
         self.path = storage.join(local_dir, "metrics.jsonl")
@@ -62,6 +65,9 @@ class RunLog:
             self._tb.close()
             self._tb = None
         return self.path
+
+
+RunLog = ray.remote(num_cpus=0)(RunLogWriter)
 
 
 def get_runlog(run_name: str):

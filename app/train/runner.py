@@ -12,6 +12,7 @@ import os
 import pathlib
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -19,7 +20,7 @@ import ray
 import yaml
 
 from app import startup
-from app.config import Config, default_eval_resolution
+from app.config import Config, ConfigError, default_eval_resolution
 from app.data.ingest import (
     IngestSpec,
     PhaseSpec,
@@ -154,13 +155,16 @@ def _limit_data_resources(train_cpus: float) -> None:
 
 def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, verbose: bool = False,
                  stream=None, callbacks: list | None = None, manifest: str | None = None,
-                 shared_tiers: dict[str, list] | None = None) -> dict[str, Any]:
+                 shared_tiers: dict[str, list] | None = None, inline: bool = False,
+                 on_report: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run (or with ``resume``, continue) one training run; returns the summary written to summary.json.
 
     ``callbacks`` are Ray Train ``UserCallback``s (the tuner passes ``TuneReportCallback``). ``manifest``
     (a prepared manifest's location) and ``shared_tiers`` (decoded tiers by ``tier_key``) let several runs
-    share one prepare and one object-store copy (a search's trials). A second driver on a run that a live
-    driver holds raises RunLockedError (a FileExistsError: exit status 2)."""
+    share one prepare and one object-store copy (a search's trials). ``inline`` trains a run of exactly one
+    worker in this process instead of a Ray Train worker group (app/train/inline.py; a search's one-worker
+    trials); ``on_report`` then gets the metrics of each checkpoint report, as ``callbacks`` would. A second
+    driver on a run that a live driver holds raises RunLockedError (a FileExistsError: exit status 2)."""
     from app.train.run_lock import RunLock
 
     # The worker code (torch, torchvision, torch._dynamo) is imported first, while the working directory
@@ -172,15 +176,16 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
     # Before anything else touches the run folder: a second driver must not even check its checkpoints.
     with RunLock(join(cfg.storage, cfg.name)) as lock:
         return _run_locked(cfg, resume=resume, progress=progress, verbose=verbose, stream=stream,
-                           callbacks=callbacks, manifest_at=manifest, shared_tiers=shared_tiers, lock=lock)
+                           callbacks=callbacks, manifest_at=manifest, shared_tiers=shared_tiers, lock=lock,
+                           inline=inline, on_report=on_report)
 
 
 def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, stream, callbacks: list | None,
                 manifest_at: str | None = None, shared_tiers: dict[str, list] | None = None,
-                lock=None) -> dict[str, Any]:
+                lock=None, inline: bool = False, on_report=None) -> dict[str, Any]:
     from app.data.manifest import Manifest
     from app.data.prepare import prepare_main
-    from app.report.runlog import start_runlog
+    from app.report.runlog import RunLogWriter, start_runlog
 
     run_dir, local_run_dir = _open_run_dir(cfg, resume)
     t0 = time.time()
@@ -205,11 +210,15 @@ def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, str
         _write_run_files(cfg, run_dir, manifest, spec)
         _announce_schedule(sched, run_dir, eval_resolution(cfg), stream=(stream or sys.stdout) if progress else None)
         _limit_data_resources(cfg.worker_range()[1] * cfg.scaling.cpus_per_worker)
-        runlog = start_runlog(cfg.name, local_run_dir, cfg.report.tensorboard)
-        trainer = _build_trainer(cfg, run_dir, spec, sched, len(manifest.classes), use_gpu, callbacks)
+        if inline:  # the one worker is this process: it writes the log itself
+            runlog = RunLogWriter(local_run_dir, cfg.report.tensorboard)
+            trainer = _build_inline(cfg, run_dir, spec, sched, len(manifest.classes), on_report, runlog.log)
+        else:
+            runlog = start_runlog(cfg.name, local_run_dir, cfg.report.tensorboard)
+            trainer = _build_trainer(cfg, run_dir, spec, sched, len(manifest.classes), use_gpu, callbacks)
         startup.add("trainer_setup", setup_start)
         startup.write(local_run_dir)
-        error, spot = _fit(trainer, cfg, local_run_dir, runlog, waiting,
+        error, spot = _fit(trainer, cfg, local_run_dir, runlog, None if inline else waiting,
                            stream=(stream or sys.stdout) if progress else None)
     finally:
         try:
@@ -303,10 +312,6 @@ def _build_trainer(cfg: Config, run_dir: str, spec: IngestSpec, sched: Schedule,
     from app.train.worker import train_loop_per_worker
 
     lo, hi = cfg.worker_range()
-    datasets = {f"train_p{i}": partial(_train_dataset, run_dir, spec, sched, i) for i in range(len(spec.phases))}
-    datasets["val"] = partial(val_dataset, spec)
-    for r, sub in spec.sweep.items():
-        datasets[f"val_r{r}"] = partial(val_dataset, sub)
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": cfg.to_dict(), "spec": spec, "run_dir": run_dir, "num_classes": num_classes},
@@ -322,9 +327,34 @@ def _build_trainer(cfg: Config, run_dir: str, spec: IngestSpec, sched: Schedule,
                                                           max_preemption_failures=-1),
                              checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
                              callbacks=callbacks or None),
-        datasets=datasets,
+        datasets=_datasets(run_dir, spec, sched),
         dataset_config=PlanDataConfig(spec),
     )
+
+
+def _datasets(run_dir: str, spec: IngestSpec, sched: Schedule) -> dict[str, Any]:
+    """Name -> factory of every dataset a run reads, called at each (worker-group) start."""
+    datasets = {f"train_p{i}": partial(_train_dataset, run_dir, spec, sched, i) for i in range(len(spec.phases))}
+    datasets["val"] = partial(val_dataset, spec)
+    for r, sub in spec.sweep.items():
+        datasets[f"val_r{r}"] = partial(val_dataset, sub)
+    return datasets
+
+
+def _build_inline(cfg: Config, run_dir: str, spec: IngestSpec, sched: Schedule, num_classes: int, on_report,
+                  log: Callable[[dict[str, Any]], None]):
+    """The run's one worker in this process (app/train/inline.py), with the same datasets and data config."""
+    from app.data.ingest import PlanDataConfig
+    from app.train.inline import InlineTrainer
+
+    lo, hi = cfg.worker_range()
+    if (lo, hi) != (1, 1):
+        raise ConfigError(f"scaling.workers: bad value {cfg.scaling.workers!r} for a run in this process; "
+                          "expected exactly 1 (more workers need Ray Train's worker group)")
+    return InlineTrainer({"cfg": cfg.to_dict(), "spec": spec, "run_dir": run_dir, "num_classes": num_classes},
+                         _datasets(run_dir, spec, sched), PlanDataConfig(spec), keep=cfg.checkpoint.keep,
+                         timeout_s=cfg.scaling.collective_timeout_s, cpus=cfg.scaling.cpus_per_worker,
+                         on_report=on_report, log=log)
 
 
 def _ray_storage(storage_path: str) -> dict[str, Any]:
@@ -339,10 +369,11 @@ def _ray_storage(storage_path: str) -> dict[str, Any]:
     return {"storage_path": inner, "storage_filesystem": fs}
 
 
-def _fit(trainer, cfg: Config, local_run_dir: str, runlog, waiting: placement.WaitReporter,
+def _fit(trainer, cfg: Config, local_run_dir: str, runlog, waiting: placement.WaitReporter | None,
          stream) -> tuple[Exception | None, list[dict]]:
     """Run the trainer to its end with the progress printer (to ``stream``; None = off) and the spot-notice
-    watchers around it; returns (the error it ended with, the watchers' statuses)."""
+    watchers around it; returns (the error it ended with, the watchers' statuses). ``waiting`` None: no
+    worker group to place and no notices to act on (a run in this process), so neither helper runs."""
     from app.train.spot_watcher import WatcherKeeper, watcher_statuses
 
     printer = None
@@ -351,8 +382,10 @@ def _fit(trainer, cfg: Config, local_run_dir: str, runlog, waiting: placement.Wa
 
         printer = ProgressPrinter(local_run_dir, stream=stream, every_s=cfg.report.progress_every_s).start()
     # One spot-notice watcher per (GPU) node, kept up to date as spot replacements join.
-    keeper = WatcherKeeper(cfg.scaling, cfg.name, every_s=cfg.scaling.resize_check_s).start()
-    waiting.start()
+    keeper = None
+    if waiting is not None:
+        keeper = WatcherKeeper(cfg.scaling, cfg.name, every_s=cfg.scaling.resize_check_s).start()
+        waiting.start()
     error = None
     spot: list[dict] = []
     try:
@@ -360,10 +393,14 @@ def _fit(trainer, cfg: Config, local_run_dir: str, runlog, waiting: placement.Wa
     except Exception as exc:  # summary.json is written for failed runs too
         error = exc
     finally:
-        waiting.stop()
-        spot = watcher_statuses(keeper.handles)
-        keeper.stop()
-        ray.get(runlog.flush.remote())
+        if keeper is not None:
+            waiting.stop()
+            spot = watcher_statuses(keeper.handles)
+            keeper.stop()
+        if isinstance(runlog, ray.actor.ActorHandle):
+            ray.get(runlog.flush.remote())
+        else:
+            runlog.flush()
         if printer is not None:
             printer.stop()
     return error, spot

@@ -1,9 +1,9 @@
 """The per-worker trainer: one object per worker-group start, holding everything a worker trains with.
 
 A start resumes from the checkpoint chosen for it (``resume.json``), then walks the schedule phase by
-phase: each phase's data arrives as this rank's slice of every global batch from
-``ray.train.get_dataset_shard("train_p<i>")``. Everything that decides the next step (LR, resolution,
-batch) is computed from ``samples_seen``.
+phase: each phase's data arrives as this rank's slice of every global batch from the worker's context
+(``app/train/context.py``: Ray Train's ``get_dataset_shard("train_p<i>")``, or a one-worker run's own
+streams). Everything that decides the next step (LR, resolution, batch) is computed from ``samples_seen``.
 
 ``state_dict()`` / ``load_state_dict()`` follow the Stateful protocol: rank 0's dict holds the replicated
 state (model, optimizer, grad scaler, EMA, counters, config); every rank's dict holds its own
@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
-import ray.train
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -43,7 +42,7 @@ from app.train.fusion import choose_bucket_mb
 from app.train.model import build_model, to_device
 from app.train.optim import build_loss, build_optimizer, clip_gradients, set_lr_momentum
 from app.train.state import ResumePoint, checkpoint_name, load_rank_state, read_recorded_resume, save_rank_state
-from app.train.topology import Topology, topology_from_ray
+from app.train.topology import Topology
 
 RANK_KEYS = ("comm", "rng")  # every rank's own part of a checkpoint; the rest is rank 0's replicated state
 
@@ -138,9 +137,11 @@ class Trainer:
     """One worker's model, optimizer, communication and counters, and the loop that trains them."""
 
     def __init__(self, cfg: Config, spec: IngestSpec, run_dir: str, num_classes: int, *, rank: int, world: int,
-                 topology: Topology | None = None, report: Callable[[dict[str, Any]], None] | None = None):
+                 topology: Topology | None = None, report: Callable[[dict[str, Any]], None] | None = None,
+                 ctx: Any = None):
         self.cfg, self.spec, self.run_dir = cfg, spec, run_dir
         self.rank, self.world = rank, world
+        self.ctx = ctx  # app.train.context: Ray Train's worker context, or a one-worker run in this process
         self.report = report if report is not None else RunLogReporter(cfg.name, rank)
         self.t_start = time.time()
         self._build_model(num_classes, topology)
@@ -162,11 +163,13 @@ class Trainer:
         self.resume_step = 0
 
     @classmethod
-    def from_train_config(cls, config: dict) -> Trainer:
-        """The trainer of the calling Ray Train worker, from ``train_loop_config``."""
-        ctx = ray.train.get_context()
+    def from_train_config(cls, config: dict, ctx: Any = None) -> Trainer:
+        """The trainer of the calling worker, from ``train_loop_config``; ``ctx`` defaults to Ray Train's."""
+        from app.train.context import RayTrainContext
+
+        ctx = ctx or RayTrainContext()
         return cls(config_from_dict(config["cfg"]), config["spec"], config["run_dir"], config["num_classes"],
-                   rank=ctx.get_world_rank(), world=ctx.get_world_size())
+                   rank=ctx.rank, world=ctx.world, ctx=ctx, report=ctx.log)
 
     def _build_model(self, num_classes: int, topology: Topology | None) -> None:
         """Device, model, DDP wrapper and comm hook. Collectives inside: every rank builds in the same order."""
@@ -176,7 +179,7 @@ class Trainer:
         dev.enable_cudnn_benchmark(cfg.model, self.device)
         torch.manual_seed(cfg.scaling.seed)  # same initial weights on every rank
         self.model = to_device(build_model(cfg.model, num_classes), self.device, cfg.model)
-        topology = topology or topology_from_ray()  # after select_device: NCCL's all-reduce uses our GPU
+        topology = topology or self.ctx.topology()  # after select_device: NCCL's all-reduce uses our GPU
         self.bucket_mb, self.bucket_evidence = choose_bucket_mb(self.model, self.world, self.device,
                                                                 pinned_mb=cfg.comm.bucket_mb)
         self.ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
@@ -279,7 +282,7 @@ class Trainer:
         phase = self.cfg.schedule.phases[phase_idx]
         lo, hi = rank_slice(phase.batch_size, self.world, self.rank)
         run = PhaseRun(phase_idx, phase, loss_scale(phase.batch_size, self.world, self.rank))
-        shard = ray.train.get_dataset_shard(f"train_p{phase_idx}")
+        shard = self.ctx.dataset_shard(f"train_p{phase_idx}")
         batches = iter(shard.iter_batches(batch_size=hi - lo, batch_format="numpy",
                                           prefetch_batches=self.spec.prefetch_batches, drop_last=False))
         self.report({"event": "unit", "unit": "progressive_resize",
@@ -430,7 +433,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Top-1/top-5 of the EMA weights (else the live ones) over the whole validation split."""
         return evaluate_split(self.validated_model,
-                              ray.train.get_dataset_shard("val"), self.device, self.precision, self.cfg,
+                              self.ctx.dataset_shard("val"), self.device, self.precision, self.cfg,
                               self.spec.prefetch_batches)
 
     def eval_sweep(self) -> None:
@@ -441,7 +444,7 @@ class Trainer:
         model = self.ema.module if self.ema is not None else self.model
         results = {}
         for r in sorted(self.spec.sweep):
-            val = evaluate_split(model, ray.train.get_dataset_shard(f"val_r{r}"), self.device, self.precision,
+            val = evaluate_split(model, self.ctx.dataset_shard(f"val_r{r}"), self.device, self.precision,
                                  self.cfg, self.spec.prefetch_batches)
             results[str(r)] = {"top1": val["val_top1"], "top5": val["val_top5"]}
         if self.rank == 0:
@@ -476,7 +479,8 @@ class Trainer:
             self.checkpoint("interval", dict(self.metrics, samples_seen=self.counters.samples_seen, step=step))
 
     def checkpoint(self, reason: str, metrics: dict[str, Any]) -> None:
-        """Every rank writes its state file; Ray Train gathers them into ``checkpoint_<samples_seen>``."""
+        """Every rank writes its state file; the context (Ray Train, or a one-worker run's own copy) gathers
+        them into ``checkpoint_<samples_seen>`` in the run folder."""
         now = time.time()
         self.counters.device_seconds += (now - self.clock) * self.world
         self.counters.train_seconds += now - self.clock
@@ -487,10 +491,9 @@ class Trainer:
                 meta = {"samples_seen": self.counters.samples_seen, "world_size": self.world, "reason": reason,
                         "time": time.time(), "step": self.counters.step}
                 save_rank_state(tmp, self.rank, self.state_dict(), meta)
-                # Ray Train copies the folder to storage here; a copy that fails part-way raises here too and
+                # The context copies the folder to storage here; a copy that fails part-way raises here too and
                 # leaves a folder whose hashes do not match, which resume skips (app/train/state.py).
-                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
-                                 checkpoint_dir_name=name)
+                self.ctx.report_checkpoint(metrics, tmp, name)
         except OSError as exc:  # disk full, permission, storage error: the worker group restarts or the run fails
             raise CheckpointWriteError(f"checkpoint write failed: {join(self.run_dir, name)} (rank {self.rank}): "
                                        f"{exc}; earlier checkpoints are kept") from exc
@@ -498,7 +501,7 @@ class Trainer:
 
     def _check_preemption(self) -> None:
         # A drained node (spot notice) is known to every rank at once: all save the same step.
-        notice = ray.train.get_preemption_info()
+        notice = self.ctx.preemption_info()
         if notice is not None and self.notice_seen is None:
             self.on_preemption(notice)
 

@@ -41,6 +41,7 @@ from app.tune.space import (
     load_space,
     parse_space,
     resolve_space_path,
+    trial_runner,
 )
 from app.tune.trial_startup import TRIAL_START_FILE, trial_startup
 from app.tune.trial_startup import summarize as summarize_startup
@@ -66,9 +67,10 @@ def trial_dirname(trial) -> str:
 
 
 def run_trial(config: dict[str, Any], *, base: dict[str, Any], exp_dir: str, objective: dict[str, Any],
-              shared: SharedStart | None = None) -> None:
+              shared: SharedStart | None = None, inline: bool = False) -> None:
     """Tune trial function: one lightray run with the sampled values, reporting through the callback.
-    With ``shared`` the run skips the prepare, the decode and the calibration the experiment did once."""
+    With ``shared`` the run skips the prepare, the decode and the calibration the experiment did once.
+    With ``inline`` its one worker trains in this process and reports to Tune itself (no worker group)."""
     from app import storage
     from app.train.runner import run_training
     from app.train.state import list_checkpoints
@@ -80,34 +82,64 @@ def run_trial(config: dict[str, Any], *, base: dict[str, Any], exp_dir: str, obj
     # A trial restarted by Tuner.restore finds its earlier checkpoints and continues from them.
     resume = bool(list_checkpoints(storage.join(exp_dir, trial_id)))
     storage.write_json(storage.join(exp_dir, trial_id, TRIAL_START_FILE),
-                       {"start": started, "shared": shared is not None})
+                       {"start": started, "shared": shared is not None, "runner": "inline" if inline else "train"})
+    common = {"resume": resume, "progress": False, "manifest": shared.manifest if shared else None,
+              "shared_tiers": shared.tier_refs if shared else None}
+    if inline:
+        run_training(cfg, inline=True, on_report=inline_reporter(Objective(**objective)), **common)
+        return
     callbacks = [TrialReportCallback(Objective(**objective)), PlacementGroupRecorder(storage.join(exp_dir, trial_id))]
-    run_training(cfg, resume=resume, progress=False, callbacks=callbacks,
-                 manifest=shared.manifest if shared else None, shared_tiers=shared.tier_refs if shared else None)
+    run_training(cfg, callbacks=callbacks, **common)
 
 
 # --- sizing -----------------------------------------------------------------------------------------------
-def trial_bundles(cfg: Config) -> list[dict[str, float]]:
-    """The trial's placement group: its own small bundle, plus one slot for driver-side shard tasks.
+def trial_bundles(cfg: Config, inline: bool = False) -> list[dict[str, float]]:
+    """The trial's placement group: its own bundle, plus one slot for driver-side shard tasks.
 
     Tune places every task the trial process starts inside the trial's placement group (never in its
     first bundle, which is the trial's), and the run's driver side starts shard tasks (prepare,
-    object-store materialize) of ``data.prepare_cpus_per_task`` CPUs each: one slot runs them in turn."""
-    return [{"CPU": TRIAL_CPU}, {"CPU": cfg.data.prepare_cpus_per_task}]
+    object-store materialize) of ``data.prepare_cpus_per_task`` CPUs each: one slot runs them in turn.
+    A ``train`` trial only waits on its worker group (which reserves its own resources), so its bundle is
+    small; an ``inline`` trial is the worker, so its bundle holds the worker's CPUs (and GPU)."""
+    if not inline:
+        return [{"CPU": TRIAL_CPU}, {"CPU": cfg.data.prepare_cpus_per_task}]
+    own = {"CPU": cfg.scaling.cpus_per_worker, **cfg.scaling.worker_resources}
+    if cfg.scaling.use_gpu == "true" or (cfg.scaling.use_gpu == "auto" and _cluster_gpus() >= 1):
+        own["GPU"] = 1.0
+    return [own, {"CPU": cfg.data.prepare_cpus_per_task}]
 
 
-def trial_cpus(cfg: Config) -> float:
-    return round(sum(b["CPU"] for b in trial_bundles(cfg)), 3)
+def _cluster_gpus() -> float:
+    import ray
+
+    return ray.cluster_resources().get("GPU", 0.0) if ray.is_initialized() else 0.0
 
 
-def fit_concurrency(cfg: Config, wanted: int, resources: dict[str, float]) -> tuple[int, str]:
+def inline_reporter(objective: Objective):
+    """What an inline trial reports to Tune: the validated checkpoint reports, with the objective's fields
+    (the same filter ``TrialReportCallback`` applies to a Train run's reports)."""
+
+    def report(metrics: dict[str, Any]) -> None:
+        if objective.wants(metrics):
+            tune.report(objective.augment(metrics))
+
+    return report
+
+
+def trial_cpus(cfg: Config, inline: bool = False) -> float:
+    return round(sum(b["CPU"] for b in trial_bundles(cfg, inline)), 3)
+
+
+def fit_concurrency(cfg: Config, wanted: int, resources: dict[str, float],
+                    inline: bool = False) -> tuple[int, str]:
     """How many trials fit the cluster at once (at most ``wanted``), and a note when fewer than asked."""
     _, hi = cfg.worker_range()
     cpus = resources.get("CPU", 0.0)
-    per_trial_cpu = trial_cpus(cfg) + hi * cfg.scaling.cpus_per_worker + DATA_CPU_PER_TRIAL
+    group = 0 if inline else hi  # an inline trial's worker is in its own bundle (counted in trial_cpus)
+    per_trial_cpu = trial_cpus(cfg, inline) + group * cfg.scaling.cpus_per_worker + DATA_CPU_PER_TRIAL
     fit = int(cpus // per_trial_cpu + 1e-9)
-    why = f"{cpus:g} CPUs / ({trial_cpus(cfg):g} trial + {hi} x {cfg.scaling.cpus_per_worker:g} worker + " \
-          f"{DATA_CPU_PER_TRIAL:g} data) CPUs per trial"
+    why = f"{cpus:g} CPUs / ({trial_cpus(cfg, inline):g} trial + {group} x {cfg.scaling.cpus_per_worker:g} " \
+          f"worker + {DATA_CPU_PER_TRIAL:g} data) CPUs per trial"
     gpus = resources.get("GPU", 0.0)
     if cfg.scaling.use_gpu == "true" or (cfg.scaling.use_gpu == "auto" and gpus >= 1):
         fit = min(fit, int(gpus // hi))
@@ -220,8 +252,9 @@ def run_search(cfg: Config, space: str | None = None, trials: int | None = None,
     base, sp = _load_experiment(cfg, space, exp_dir, storage, resume)
     _apply_counts(sp, trials, concurrent, resume, out)
     trial_base = base_for_trials(base, sp)
+    inline = trial_runner(sp, trial_base) == "inline"
     _save_experiment(exp_dir, base, sp, resume)
-    k, manifest = _start_cluster(cfg, trial_base, sp, exp_dir, out)
+    k, manifest = _start_cluster(cfg, trial_base, sp, exp_dir, out, inline)
     t0 = time.time()
     shared = None
     if sp.share_startup:
@@ -231,7 +264,7 @@ def run_search(cfg: Config, space: str | None = None, trials: int | None = None,
     rungs = rung_milestones(trial_base, sp, manifest.num_samples("train"))
     if sp.scheduler == "asha":
         print(f"  ASHA rungs at epochs {rungs['epochs']} = samples seen {rungs['samples']}", file=out, flush=True)
-    grid = _tuner(trial_base, sp, exp_dir, storage, k, resume, verbose, out, shared, rungs).fit()
+    grid = _tuner(trial_base, sp, exp_dir, storage, k, resume, verbose, out, shared, rungs, inline).fit()
     result = _finish(grid, sp, exp_dir, trial_base, t0, out, rungs)
     result["shared_build_s"] = round(shared_s, 2)  # once per experiment, before the first trial
     return result
@@ -279,7 +312,8 @@ def _save_experiment(exp_dir: pathlib.Path, base: Config, sp: SearchSpace, resum
                                           + yaml.safe_dump(sp.to_dict(), sort_keys=False))
 
 
-def _start_cluster(cfg: Config, trial_base: Config, sp: SearchSpace, exp_dir: pathlib.Path, out: TextIO):
+def _start_cluster(cfg: Config, trial_base: Config, sp: SearchSpace, exp_dir: pathlib.Path, out: TextIO,
+                   inline: bool = False):
     """Connect to Ray, size the concurrency to the cluster, print the plan and prepare the shard cache.
 
     Returns how many trials run at once and the prepared manifest."""
@@ -290,9 +324,11 @@ def _start_cluster(cfg: Config, trial_base: Config, sp: SearchSpace, exp_dir: pa
     from app.train.runner import connect_ray
 
     connect_ray(trial_base, bool(cfg.report.verbose), dashboard=True)
-    k, note = fit_concurrency(trial_base, sp.concurrent, ray.cluster_resources())
-    print(f"tune experiment {exp_dir}\n  {sp.trials} trials, {k} at once, {sp.budget_epochs} epochs each; "
-          f"{sp.searcher} + {sp.scheduler} on {sp.tune_metric} ({sp.tune_mode})\n{describe(sp)}", file=out, flush=True)
+    k, note = fit_concurrency(trial_base, sp.concurrent, ray.cluster_resources(), inline)
+    where = "in the trial's own process" if inline else "as Ray Train worker groups"
+    print(f"tune experiment {exp_dir}\n  {sp.trials} trials, {k} at once, {sp.budget_epochs} epochs each, trained "
+          f"{where}; {sp.searcher} + {sp.scheduler} on {sp.tune_metric} ({sp.tune_mode})\n{describe(sp)}",
+          file=out, flush=True)
     if note:
         print(f"  note: {note}", file=out, flush=True)
     # Once here, so that concurrent trials all find the shard cache ready (and the rungs know the data size).
@@ -300,13 +336,14 @@ def _start_cluster(cfg: Config, trial_base: Config, sp: SearchSpace, exp_dir: pa
 
 
 def _tuner(trial_base: Config, sp: SearchSpace, exp_dir: pathlib.Path, storage: str, k: int, resume: bool,
-           verbose: int, out: TextIO, shared: SharedStart | None, rungs: dict[str, Any]) -> tune.Tuner:
+           verbose: int, out: TextIO, shared: SharedStart | None, rungs: dict[str, Any],
+           inline: bool = False) -> tune.Tuner:
     """A new Tuner, or on ``resume`` the experiment's own restored from its folder."""
     objective = {"kind": sp.objective, "metric": sp.metric, "target": sp.target}
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, base=trial_base.to_dict(), exp_dir=str(exp_dir), objective=objective,
-                             shared=shared),
-        tune.PlacementGroupFactory(trial_bundles(trial_base)))
+                             shared=shared, inline=inline),
+        tune.PlacementGroupFactory(trial_bundles(trial_base, inline)))
     if resume and tune.Tuner.can_restore(str(exp_dir)):
         print("  resuming: finished trials are kept, unfinished ones restart from their checkpoints",
               file=out, flush=True)

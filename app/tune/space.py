@@ -12,6 +12,7 @@ A space file (all keys but ``params`` optional)::
                                # (0 = none); total_time_s: the whole search's wall-clock budget (0 = none)
     scheduler: {name: asha, grace_period: 0, reduction_factor: 2, brackets: 1}   # asha | fifo
     share_startup: true        # prepare, decoded tiers and calibration once per experiment (false: per trial)
+    trial_runner: auto         # auto | inline | train: where a trial trains (see below)
     searcher: {name: tpe, seed: 0, n_startup_trials: 4, multivariate: true}     # tpe | random
     study_storage: ""          # optuna database URL; "" = sqlite file optuna.db in the experiment folder
     fixed: {data.limit_train: 1024}    # dotted config keys set in every trial
@@ -20,6 +21,11 @@ A space file (all keys but ``params`` optional)::
       schedule.warmup_epochs: {dist: uniform, low: 0.0, high: 1.0}
       optim.label_smoothing: {dist: choice, values: [0.0, 0.1]}
       global_batch: {dist: choice, values: [128, 256, 512]}
+
+``trial_runner``: ``train`` runs each trial as a Ray Train ``TorchTrainer`` (its own worker group);
+``inline`` trains a one-worker trial inside the Tune trial's own process (``app/train/inline.py``), which
+skips the worker group's start (seconds per trial); ``auto`` is ``inline`` when every trial has exactly one
+worker (``scaling.workers: "1"``, not searched) and ``train`` otherwise.
 
 ``lr_rule`` (searched only: ``{dist: choice, values: [linear, sqrt]}``) says how the LR follows the global
 batch: ``linear`` (the recipes' rule) or ``sqrt`` (see ``apply_lr_rule``).
@@ -53,12 +59,13 @@ LR_RULE = "lr_rule"
 LR_RULES = ("linear", "sqrt")
 DISTS = ("loguniform", "uniform", "int", "choice")
 OBJECTIVES = ("max_metric", "time_to_target")
+TRIAL_RUNNERS = ("auto", "inline", "train")
 SCHEDULERS = ("asha", "fifo")
 SEARCHERS = ("tpe", "random")
 TIME_METRIC = "time_to_target_s"
 SPACES_DIR = pathlib.Path(__file__).resolve().parents[2] / "tune_spaces"
 TOP_KEYS = ("objective", "metric", "mode", "target", "trials", "concurrent", "budget", "scheduler", "searcher",
-            "study_storage", "share_startup", "fixed", "params")
+            "study_storage", "share_startup", "trial_runner", "fixed", "params")
 
 
 @dataclass
@@ -117,6 +124,7 @@ class SearchSpace:
     multivariate: bool = True
     study_storage: str = ""
     share_startup: bool = True
+    trial_runner: str = "auto"
     fixed: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -142,7 +150,8 @@ class SearchSpace:
                           "reduction_factor": self.reduction_factor, "brackets": self.brackets},
             "searcher": {"name": self.searcher, "seed": self.seed, "n_startup_trials": self.n_startup_trials,
                          "multivariate": self.multivariate},
-            "study_storage": self.study_storage, "share_startup": self.share_startup, "fixed": dict(self.fixed),
+            "study_storage": self.study_storage, "share_startup": self.share_startup,
+            "trial_runner": self.trial_runner, "fixed": dict(self.fixed),
             "params": {p.key: p.to_dict() for p in self.params},
         }
 
@@ -278,6 +287,7 @@ def parse_space(raw: Any, base: Config, source: str = "space") -> SearchSpace:
     if not isinstance(share, bool):
         raise ConfigError(f"{source}: share_startup: bad value {share!r}; expected true or false")
     sp.share_startup = share
+    sp.trial_runner = _choice(f"{source}: trial_runner", raw.get("trial_runner", "auto"), TRIAL_RUNNERS)
     _parse_fixed(sp, raw)
     _parse_params(sp, raw)
     _check_bounds(sp, base)
@@ -449,6 +459,18 @@ def base_for_trials(base: Config, space: SearchSpace) -> Config:
             set_dotted(tree, k, v)
     apply_budget(tree, space.budget_epochs)
     return config_from_dict(tree)
+
+
+def trial_runner(space: SearchSpace, trial_base: Config) -> str:
+    """``inline`` or ``train``: where this experiment's trials train (``trial_runner`` resolved)."""
+    one_worker = trial_base.worker_range() == (1, 1) and not any(p.key.startswith("scaling.") for p in space.params)
+    if space.trial_runner == "inline" and not one_worker:
+        raise ConfigError(f"{space.source}: trial_runner: bad value 'inline' with scaling.workers="
+                          f"{trial_base.scaling.workers!r} (or scaling.* searched); expected exactly one worker per "
+                          "trial (set scaling.workers: \"1\" in fixed, or use trial_runner: train)")
+    if space.trial_runner == "auto":
+        return "inline" if one_worker else "train"
+    return space.trial_runner
 
 
 def apply_params(base: Config, params: dict[str, Any]) -> Config:
