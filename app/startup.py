@@ -20,6 +20,9 @@ from typing import Any
 
 FILE = "startup.json"
 _phases: list[dict[str, Any]] = []
+# What starts the worker(s) between the driver's marks and the ``start`` event: a Ray Train worker group, or
+# (``app/train/inline.py``) the run's one worker in the driver's own process.
+_group = {"phase": "worker_group_start"}
 
 
 def process_start_time() -> float:
@@ -38,6 +41,12 @@ _IMPORTED = time.time()
 def reset() -> None:
     """Forget earlier marks (one driver process can run several trainings: benches, tune trials)."""
     _phases.clear()
+    _group["phase"] = "worker_group_start"
+
+
+def name_group_phase(name: str) -> None:
+    """Name the phase before the worker's ``start`` event (default ``worker_group_start``)."""
+    _group["phase"] = name
 
 
 @contextlib.contextmanager
@@ -56,7 +65,8 @@ def add(name: str, start: float, end: float | None = None) -> None:
 
 
 def record() -> dict[str, Any]:
-    return {"process_start": process_start_time(), "phases": list(_phases), "pid": os.getpid()}
+    return {"process_start": process_start_time(), "phases": list(_phases), "pid": os.getpid(),
+            "group_phase": _group["phase"]}
 
 
 def write(local_run_dir: str) -> str:
@@ -73,9 +83,10 @@ def breakdown(startup: dict[str, Any], events: list[dict[str, Any]], origin: flo
     """Seconds per start-up phase from ``origin`` (default: the process start) to the first training step.
 
     ``startup`` is a ``startup.json`` record, ``events`` the run's ``metrics.jsonl`` records. The phases
-    are contiguous: ``imports`` runs from the origin to the first driver mark, ``worker_group_start`` from
-    the last driver mark to the worker group's ``start`` event less the worker's own set-up (Ray Train placing
-    and starting the group), ``worker_setup`` the worker's set-up (model, DDP, comm hook, checkpoint read:
+    are contiguous: ``imports`` runs from the origin to the first driver mark, ``worker_group_start`` (or the
+    record's ``group_phase``: ``inline_start`` for a run of one worker in the driver) from the last driver
+    mark to the worker group's ``start`` event less the worker's own set-up (Ray Train placing and starting
+    the group), ``worker_setup`` the worker's set-up (model, DDP, comm hook, checkpoint read:
     the event's ``setup_s``), ``first_batch`` from there to the ``first_step`` event; time between
     driver marks lands in ``other``. Phases that did not happen are absent; ``first_step_s`` is None when the run never
     reached a step."""
@@ -96,7 +107,7 @@ def breakdown(startup: dict[str, Any], events: list[dict[str, Any]], origin: flo
     first = next((e["time"] for e in events if e.get("event") == "first_step"), None)
     if start is not None:
         setup = min(float(start_event.get("setup_s", 0.0)), max(0.0, start - cursor))
-        out["worker_group_start"] = max(0.0, start - cursor) - setup
+        out[startup.get("group_phase", "worker_group_start")] = max(0.0, start - cursor) - setup
         if "setup_s" in start_event:
             out["worker_setup"] = setup
         cursor = max(cursor, start)

@@ -84,5 +84,8 @@ def test_startup_breakdown_is_contiguous_from_the_command_start_to_the_first_ste
     split = breakdown(startup, [{"event": "start", "time": 130.0, "setup_s": 2.5}, *events[1:]], origin=99.0)
     assert split["phases_s"]["worker_group_start"] == 10.0 and split["phases_s"]["worker_setup"] == 2.5
     assert split["first_step_s"] == 34.0
+    # A run of one worker in the driver (app/train/inline.py) names that phase for what it is.
+    inline = breakdown({**startup, "group_phase": "inline_start"}, events, origin=99.0)["phases_s"]
+    assert inline["inline_start"] == 12.5 and "worker_group_start" not in inline
     # A run that never reached a step has no first step, and says so.
     assert breakdown(startup, [], origin=99.0)["first_step_s"] is None

@@ -78,4 +78,4 @@ class LocalContext:
     def topology(self):
         from app.train.topology import Topology
 
-        return Topology(world_size=1, rank=0, local_rank=0, local_world_size=1, node_rank=0, num_nodes=1)
+        return Topology.simulated(1, 0, 1)

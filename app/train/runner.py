@@ -122,7 +122,7 @@ def build_ingest_spec(cfg: Config, manifest, shared_tiers: dict[str, list] | Non
                       prefetch_batches=cfg.data.prefetch_batches,
                       local_max_bytes=int(cfg.data.local_cache_max_gb * 2**30))
     # Rect val plan, object-store cache level and preprocessing autotune: these run Ray tasks, so Ray is up.
-    finalize_spec(spec, cfg.data, cfg.worker_range()[1] * cfg.scaling.cpus_per_worker, _use_gpu(cfg), shared_tiers)
+    finalize_spec(spec, cfg.data, cfg.worker_range()[1] * cfg.scaling.cpus_per_worker, gpu_wanted(cfg), shared_tiers)
     if cfg.report.eval_sweep:
         tiers = {r: tier_shards(manifest, "val", _val_tier_want(cfg, r)) for r in cfg.report.eval_sweep}
         add_eval_sweep(spec, cfg.report.eval_sweep,
@@ -200,7 +200,7 @@ def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, str
     known: dict[str, Any] = {}  # what a summary written on a cluster loss can say so far
     watch = _watch_cluster(cfg, run_dir, local_run_dir, t0, meter, known, lock)
     try:
-        use_gpu = _use_gpu(cfg)
+        use_gpu = gpu_wanted(cfg)
         waiting = _check_placement(cfg, use_gpu, started_here, stream or sys.stdout)
         with startup.phase("data_prepare"):
             manifest = Manifest.load(manifest_at or str(prepare_main(cfg)))
@@ -211,14 +211,19 @@ def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, str
         _announce_schedule(sched, run_dir, eval_resolution(cfg), stream=(stream or sys.stdout) if progress else None)
         _limit_data_resources(cfg.worker_range()[1] * cfg.scaling.cpus_per_worker)
         if inline:  # the one worker is this process: it writes the log itself
-            runlog = RunLogWriter(local_run_dir, cfg.report.tensorboard)
-            trainer = _build_inline(cfg, run_dir, spec, sched, len(manifest.classes), on_report, runlog.log)
+            writer = RunLogWriter(local_run_dir, cfg.report.tensorboard)
+            trainer = _build_inline(cfg, run_dir, spec, sched, len(manifest.classes), on_report, writer.log)
+            flush_log = writer.flush
+            startup.name_group_phase("inline_start")  # building its streams here, no worker group
         else:
             runlog = start_runlog(cfg.name, local_run_dir, cfg.report.tensorboard)
             trainer = _build_trainer(cfg, run_dir, spec, sched, len(manifest.classes), use_gpu, callbacks)
+
+            def flush_log() -> None:
+                ray.get(runlog.flush.remote())
         startup.add("trainer_setup", setup_start)
         startup.write(local_run_dir)
-        error, spot = _fit(trainer, cfg, local_run_dir, runlog, None if inline else waiting,
+        error, spot = _fit(trainer, cfg, local_run_dir, flush_log, None if inline else waiting,
                            stream=(stream or sys.stdout) if progress else None)
     finally:
         try:
@@ -296,7 +301,7 @@ def _announce_schedule(sched: Schedule, run_dir: str, eval_res: int, stream=None
         print(sched.resolved.describe() + f"\n  eval at {eval_res}px", file=stream, flush=True)
 
 
-def _use_gpu(cfg: Config) -> bool:
+def gpu_wanted(cfg: Config) -> bool:
     """``scaling.use_gpu``: "true", or "auto" when the cluster has a GPU."""
     return cfg.scaling.use_gpu == "true" or (
         cfg.scaling.use_gpu == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
@@ -369,7 +374,8 @@ def _ray_storage(storage_path: str) -> dict[str, Any]:
     return {"storage_path": inner, "storage_filesystem": fs}
 
 
-def _fit(trainer, cfg: Config, local_run_dir: str, runlog, waiting: placement.WaitReporter | None,
+def _fit(trainer, cfg: Config, local_run_dir: str, flush_log: Callable[[], Any],
+         waiting: placement.WaitReporter | None,
          stream) -> tuple[Exception | None, list[dict]]:
     """Run the trainer to its end with the progress printer (to ``stream``; None = off) and the spot-notice
     watchers around it; returns (the error it ended with, the watchers' statuses). ``waiting`` None: no
@@ -397,10 +403,7 @@ def _fit(trainer, cfg: Config, local_run_dir: str, runlog, waiting: placement.Wa
             waiting.stop()
             spot = watcher_statuses(keeper.handles)
             keeper.stop()
-        if isinstance(runlog, ray.actor.ActorHandle):
-            ray.get(runlog.flush.remote())
-        else:
-            runlog.flush()
+        flush_log()
         if printer is not None:
             printer.stop()
     return error, spot

@@ -35,6 +35,10 @@ class Objective:
     def wants(self, metrics: dict[str, Any]) -> bool:
         return self.metric in metrics and "epoch" in metrics
 
+    def for_tune(self, metrics: dict[str, Any]) -> dict[str, Any] | None:
+        """What Tune gets for one of the run's reports: None for an unvalidated one, else ``augment``'s."""
+        return self.augment(metrics) if self.wants(metrics) else None
+
     def augment(self, metrics: dict[str, Any]) -> dict[str, Any]:
         out = dict(metrics)
         if self.kind != "time_to_target":
@@ -60,6 +64,6 @@ class TrialReportCallback(TuneReportCallback):
         self.objective = objective
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        if not metrics or not self.objective.wants(metrics[0]):
-            return
-        super().after_report(run_context, [self.objective.augment(metrics[0])] + list(metrics[1:]), checkpoint)
+        first = self.objective.for_tune(metrics[0]) if metrics else None
+        if first is not None:
+            super().after_report(run_context, [first] + list(metrics[1:]), checkpoint)

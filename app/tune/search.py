@@ -93,26 +93,20 @@ def run_trial(config: dict[str, Any], *, base: dict[str, Any], exp_dir: str, obj
 
 
 # --- sizing -----------------------------------------------------------------------------------------------
-def trial_bundles(cfg: Config, inline: bool = False) -> list[dict[str, float]]:
+def trial_bundles(cfg: Config, inline: bool = False, gpu: bool = False) -> list[dict[str, float]]:
     """The trial's placement group: its own bundle, plus one slot for driver-side shard tasks.
 
     Tune places every task the trial process starts inside the trial's placement group (never in its
     first bundle, which is the trial's), and the run's driver side starts shard tasks (prepare,
     object-store materialize) of ``data.prepare_cpus_per_task`` CPUs each: one slot runs them in turn.
     A ``train`` trial only waits on its worker group (which reserves its own resources), so its bundle is
-    small; an ``inline`` trial is the worker, so its bundle holds the worker's CPUs (and GPU)."""
+    small; an ``inline`` trial is the worker, so its bundle holds the worker's CPUs (and, with ``gpu``, a GPU)."""
     if not inline:
         return [{"CPU": TRIAL_CPU}, {"CPU": cfg.data.prepare_cpus_per_task}]
     own = {"CPU": cfg.scaling.cpus_per_worker, **cfg.scaling.worker_resources}
-    if cfg.scaling.use_gpu == "true" or (cfg.scaling.use_gpu == "auto" and _cluster_gpus() >= 1):
+    if gpu:
         own["GPU"] = 1.0
     return [own, {"CPU": cfg.data.prepare_cpus_per_task}]
-
-
-def _cluster_gpus() -> float:
-    import ray
-
-    return ray.cluster_resources().get("GPU", 0.0) if ray.is_initialized() else 0.0
 
 
 def inline_reporter(objective: Objective):
@@ -120,8 +114,9 @@ def inline_reporter(objective: Objective):
     (the same filter ``TrialReportCallback`` applies to a Train run's reports)."""
 
     def report(metrics: dict[str, Any]) -> None:
-        if objective.wants(metrics):
-            tune.report(objective.augment(metrics))
+        out = objective.for_tune(metrics)
+        if out is not None:
+            tune.report(out)
 
     return report
 
@@ -339,11 +334,13 @@ def _tuner(trial_base: Config, sp: SearchSpace, exp_dir: pathlib.Path, storage: 
            verbose: int, out: TextIO, shared: SharedStart | None, rungs: dict[str, Any],
            inline: bool = False) -> tune.Tuner:
     """A new Tuner, or on ``resume`` the experiment's own restored from its folder."""
+    from app.train.runner import gpu_wanted
+
     objective = {"kind": sp.objective, "metric": sp.metric, "target": sp.target}
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, base=trial_base.to_dict(), exp_dir=str(exp_dir), objective=objective,
                              shared=shared, inline=inline),
-        tune.PlacementGroupFactory(trial_bundles(trial_base, inline)))
+        tune.PlacementGroupFactory(trial_bundles(trial_base, inline, inline and gpu_wanted(trial_base))))
     if resume and tune.Tuner.can_restore(str(exp_dir)):
         print("  resuming: finished trials are kept, unfinished ones restart from their checkpoints",
               file=out, flush=True)

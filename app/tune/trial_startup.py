@@ -35,12 +35,8 @@ def trial_startup(run_dir: str) -> dict[str, Any] | None:
     phases = dict(out["phases_s"])
     if "imports" in phases:
         phases["trial_setup"] = phases.pop("imports")
-    runner = mark.get("runner", "train")
-    if runner == "inline" and "worker_group_start" in phases:
-        # No worker group: this is the trial building its data streams and process group of one here.
-        phases["inline_start"] = phases.pop("worker_group_start")
     return {"first_step_s": out["first_step_s"], "phases_s": phases, "shared": bool(mark.get("shared")),
-            "runner": runner}
+            "runner": mark.get("runner", "train")}
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
