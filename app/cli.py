@@ -95,7 +95,10 @@ def config_from_args(args: argparse.Namespace, rest: list[str]) -> Config:
     return load_config(recipe, overrides)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, guard: bool = False) -> int:
+    """Run one command. ``guard`` (the program's entry points only, never a caller in the same process): a
+    training run's driver runs in a child that a guardian process speaks for if Ray ends it
+    (app/train/driver_guard.py)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("eval", "predict"):  # subcommands on an exported model (no Ray)
         from app.model_cli import COMMANDS
@@ -120,6 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"lightray: error: {exc}", file=sys.stderr)
         return 2
+    if guard and not (args.tune or args.prepare_only):
+        from app.train import driver_guard
+
+        # Before Ray or torch is imported: the fork must not copy their threads.
+        status = driver_guard.guard()
+        if status is not None:  # the guardian, after the driver ended
+            return status
     from app.data.source import DataError
 
     try:
@@ -162,3 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"lightray: error: {exc}", file=sys.stderr)
         return 2
+
+
+def console() -> int:
+    """The ``lightray`` command."""
+    return main(guard=True)

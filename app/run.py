@@ -10,4 +10,4 @@ if __package__ in (None, ""):
 from app.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(guard=True))

@@ -123,7 +123,9 @@ class Sampler:
                 cmd, name = p.cmdline(), p.name()
             except psutil.Error:
                 continue
-            kind = "driver" if p.pid == self.root.pid else classify(cmd, name)
+            # The command's own process and the driver it forks (app/train/driver_guard.py) are both the driver.
+            driver = p.pid == self.root.pid or (p.ppid() == self.root.pid and cmd == self.root.cmdline())
+            kind = "driver" if driver else classify(cmd, name)
             self.tracked[p.pid] = Tracked(p, kind, " ".join(cmd)[:120])
 
     def _loop(self) -> None:

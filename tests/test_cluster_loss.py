@@ -47,12 +47,16 @@ class HeadCluster:
         self.address = f"127.0.0.1:{self.port}"
         wait_for(lambda: gcs_reachable(self.address), 120, "the head's GCS port")
 
-    def stop(self) -> None:
+    def stop(self, only: str | None = None) -> None:
+        """Stop every process of the cluster, or with ``only`` those whose name is ``only`` (e.g. the raylet)."""
         try:
             root = psutil.Process(self.proc.pid)
             procs = root.children(recursive=True) + [root]
         except psutil.NoSuchProcess:
             procs = []
+        if only is not None:
+            stop_processes([p for p in procs if p.name() == only])
+            return
         stop_processes(procs)
         self.log.close()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
@@ -144,3 +148,32 @@ def test_run_on_a_cluster_that_is_stopped_mid_run_fails_in_one_line_with_summary
     # The lock was released, and the checkpoints a resume needs are there.
     assert not (run / "driver.lock").exists()
     assert checkpoints(run)
+
+
+@pytest.mark.slow
+def test_driver_that_ray_ends_when_its_raylet_stops_is_still_reported_in_one_line_with_exit_3(
+        tmp_path, shared_cache):
+    """The order of a ``ray stop`` in which the driver's own raylet goes first: Ray's core worker ends the driver
+    from C++ at once (exit status 1, not a word), and the guardian process (app/train/driver_guard.py) speaks."""
+    head = HeadCluster(tmp_path)
+    proc = None
+    try:
+        name = "lost-raylet"
+        proc = driver(tmp_path / "runs", name, *long_run(8), cache=shared_cache, address=head.address,
+                      env={"RAY_AUTH_MODE": "disabled"})
+        run = tmp_path / "runs" / name
+        wait_for(lambda: checkpoints(run) and last_samples(run) > 0, 600, "a checkpoint and training steps", proc)
+        head.stop(only="raylet")  # the GCS still answers: ClusterWatch alone would never fire
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc is not None and proc.poll() is None:
+            kill_group(proc)
+        head.stop()
+    assert proc.returncode == EXIT_CLUSTER_LOST, out[-4000:]
+    (lost,) = [ln for ln in out.splitlines() if ln.startswith("lightray: error:")]
+    assert "was lost" in lost and "raylet" in lost and head.address.split(":")[1] in lost, lost
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"].startswith("ClusterLostError:")
+    assert summary["samples_seen"] > 0 and summary["epochs_planned"] == 8
+    assert any("continue it from its last checkpoint with:" in ln and "--resume" in ln for ln in out.splitlines())
+    assert not (run / "driver.lock").exists() and checkpoints(run)

@@ -73,7 +73,7 @@ def _priced(cfg: Config, billing: dict | None) -> dict[str, float] | None:
 
 
 def write_summary(cfg: Config, run_dir: str, local_run_dir: str, records: list[dict[str, Any]], t0: float,
-                  t1: float, sched, *, use_gpu: bool, error: BaseException | None = None,
+                  t1: float, epochs_planned: int | None, *, use_gpu: bool, error: BaseException | None = None,
                   spot: dict | None = None, billing: dict | None = None) -> dict[str, Any]:
     """``billing`` (app/train/billing.py): node-seconds per price key over every attempt of the run; when
     given, the cost bills them (rolled-back work included) instead of inferring machines from devices."""
@@ -95,7 +95,7 @@ def write_summary(cfg: Config, run_dir: str, local_run_dir: str, records: list[d
         "wall_time_s": t1 - t0,
         "train_time_s": float(last.get("elapsed_s", 0.0)),
         "epochs": vals[-1]["epoch"] if vals else 0,
-        "epochs_planned": sched.epochs,
+        "epochs_planned": epochs_planned,
         "samples_seen": int(last.get("samples_seen", 0)),
         "final_top1": vals[-1]["val_top1"] if vals else None,
         "final_top5": vals[-1]["val_top5"] if vals else None,

@@ -145,10 +145,16 @@ def report_and_exit(cause: str, name: str, storage: str, write_summary: Callable
         write_summary(ClusterLostError(cause))
     except Exception as exc:  # the line and the resume command must still come out
         log.error("could not write summary.json after the cluster was lost: %s", exc)
+    announce_stop(cause, name, storage, stream)
+    # Not sys.exit: this runs on the watch thread while the main thread is blocked inside Ray, which would
+    # end the process from C++ a little later anyway.
+    os._exit(EXIT_CLUSTER_LOST)
+
+
+def announce_stop(cause: str, name: str, storage: str, stream=None) -> None:
+    """The two lines that end a run stopped from outside: what happened, and the command that continues it."""
+    stream = stream or sys.stderr
     print(f"lightray: error: {cause}; the run stopped (summary.json: status failed)", file=stream, flush=True)
     print(f"lightray: continue it from its last checkpoint with: {resume_command(name, storage)}",
           file=stream, flush=True)
     sys.stdout.flush()
-    # Not sys.exit: this runs on the watch thread while the main thread is blocked inside Ray, which would
-    # end the process from C++ a little later anyway.
-    os._exit(EXIT_CLUSTER_LOST)

@@ -81,10 +81,11 @@ class RunLock:
     """The lock of one run folder: ``acquire()`` (raises RunLockedError), then ``release()``."""
 
     def __init__(self, run_dir: str, *, heartbeat_s: float = HEARTBEAT_S, stale_after_s: float = STALE_AFTER_S,
-                 settle_s: float = 0.2):
+                 settle_s: float = 0.2, pid: int | None = None):
+        """``pid``: the process that stands for the driver (default this one; a guarded driver's guardian)."""
         self.run_dir, self.path = run_dir, storage.join(run_dir, LOCK_NAME)
         self.heartbeat_s, self.stale_after_s, self.settle_s = heartbeat_s, stale_after_s, settle_s
-        self.me = LockHolder(socket.gethostname(), os.getpid(), time.time(), time.time(), uuid.uuid4().hex)
+        self.me = LockHolder(socket.gethostname(), pid or os.getpid(), time.time(), time.time(), uuid.uuid4().hex)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 

@@ -34,7 +34,7 @@ from app.data.ingest import (
 from app.data.shard_cache import default_local_dir
 from app.schedule import Schedule
 from app.storage import join, write_bytes
-from app.train import placement
+from app.train import driver_guard, placement
 from app.train.state import check_checkpoint_format, choose_and_record_resume, list_checkpoints, newest_meta
 
 log = logging.getLogger("lightray")
@@ -174,7 +174,7 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
 
     resolve_run(cfg, resume)
     # Before anything else touches the run folder: a second driver must not even check its checkpoints.
-    with RunLock(join(cfg.storage, cfg.name)) as lock:
+    with RunLock(join(cfg.storage, cfg.name), pid=driver_guard.driver_pid()) as lock:
         return _run_locked(cfg, resume=resume, progress=progress, verbose=verbose, stream=stream,
                            callbacks=callbacks, manifest_at=manifest, shared_tiers=shared_tiers, lock=lock,
                            inline=inline, on_report=on_report)
@@ -199,6 +199,7 @@ def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, str
     meter = NodeMeter(run_dir, cfg.cost.node_type).start()  # every attempt's machine time, kept outside checkpoints
     known: dict[str, Any] = {}  # what a summary written on a cluster loss can say so far
     watch = _watch_cluster(cfg, run_dir, local_run_dir, t0, meter, known, lock)
+    _tell_guardian(cfg, run_dir, local_run_dir, t0, own_cluster=started_here)
     try:
         use_gpu = gpu_wanted(cfg)
         waiting = _check_placement(cfg, use_gpu, started_here, stream or sys.stdout)
@@ -206,6 +207,8 @@ def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, str
             manifest = Manifest.load(manifest_at or str(prepare_main(cfg)))
         spec, sched = build_ingest_spec(cfg, manifest, shared_tiers)
         known.update(sched=sched, use_gpu=use_gpu)
+        _tell_guardian(cfg, run_dir, local_run_dir, t0, own_cluster=started_here, epochs_planned=sched.epochs,
+                       use_gpu=use_gpu)
         setup_start = time.time()
         _write_run_files(cfg, run_dir, manifest, spec)
         _announce_schedule(sched, run_dir, eval_resolution(cfg), stream=(stream or sys.stdout) if progress else None)
@@ -256,6 +259,19 @@ def _watch_cluster(cfg: Config, run_dir: str, local_run_dir: str, t0: float, met
 
     return ClusterWatch(ray.get_runtime_context().gcs_address,
                         lambda cause: report_and_exit(cause, cfg.name, cfg.storage, write)).start()
+
+
+def _tell_guardian(cfg: Config, run_dir: str, local_run_dir: str, t0: float, **known: Any) -> None:
+    """What the driver's guardian (app/train/driver_guard.py) needs to write summary.json and say why, should
+    Ray end this process without a word: the run, and the addresses that tell whether the cluster is gone."""
+    if not driver_guard.guarded():
+        return
+    ctx = ray.get_runtime_context()
+    me = next((n for n in ray.nodes() if n.get("NodeID") == ctx.get_node_id()), {})
+    raylet = f"{me['NodeManagerAddress']}:{me['NodeManagerPort']}" if me.get("NodeManagerPort") else None
+    driver_guard.tell(run={"name": cfg.name, "storage": cfg.storage, "run_dir": run_dir, "local_run_dir": local_run_dir,
+                           "t0": t0, "config": cfg.to_dict(), "gcs_address": ctx.gcs_address,
+                           "raylet_address": raylet, **known})
 
 
 def _check_placement(cfg: Config, use_gpu: bool, started_here: bool, stream) -> placement.WaitReporter:
@@ -421,7 +437,7 @@ def _write_result(cfg: Config, run_dir: str, local_run_dir: str, t0: float, sche
         if error is None:
             raise
         records = []  # the run failed before its first metrics line: summary.json must still name the cause
-    summary = write_summary(cfg, run_dir, local_run_dir, records, t0, time.time(), sched,
+    summary = write_summary(cfg, run_dir, local_run_dir, records, t0, time.time(), sched.epochs,
                             use_gpu=use_gpu, error=error,
                             spot={"watched_nodes": len(spot), "notices": sum(s.get("notices", 0) > 0 for s in spot),
                                   "drained": sum(bool(s.get("drained")) for s in spot)},
