@@ -139,8 +139,8 @@ class _Guardian:
         if run is None or code in (0, EXIT_CLUSTER_LOST) or self.forwarded is not None:
             return self._pass_on(code)  # EXIT_CLUSTER_LOST: the driver's own ClusterWatch said it all
         python_exit = any(m.get("python_exit") for m in messages)
-        if python_exit and run.get("own_cluster"):  # the local cluster it started ends with it, by design
-            return self._pass_on(code)
+        if run.get("own_cluster"):  # the local cluster it started ends with it: its state says nothing
+            return self._pass_on(code) if python_exit else speak_for(run, code, None)
         # A failure while the cluster is gone is the loss, whatever Python said first (a Ray error, a
         # traceback); with the cluster up, a failure Python reported itself is passed on as it is. Only a
         # silent end waits for a stopping node to close its ports.
@@ -213,8 +213,9 @@ def speak_for(run: dict[str, Any], code: int, cause: str | None) -> int:
     if cause is not None:
         error: Exception = ClusterLostError(cause)
     else:
-        error = DriverDiedError(f"the driver process ended unexpectedly ({_how(code)}) while its Ray cluster "
-                                "still answers; see its output above and Ray's logs")
+        still = "" if run.get("own_cluster") else " while its Ray cluster still answers"
+        error = DriverDiedError(f"the driver process ended unexpectedly ({_how(code)}){still}; see its output "
+                                "above and Ray's logs")
     try:
         write_failed_summary(run, error)
     except Exception as exc:  # the lines and the resume command must still come out
