@@ -88,6 +88,13 @@ def test_search_runs_trials_stops_weak_ones_and_writes_a_runnable_best_recipe(tm
     for t in trials:
         assert t["stop_rung"] == 1 and t["samples_seen"] in (128, 256)
         assert (t["samples_seen"] == 128) == (t["state"] == "EARLY_STOPPED")
+    # Each trial has a summary.json: its own when it finished by itself, else the search's, from its files.
+    for t in trials:
+        s = json.loads((pathlib.Path(t["run_dir"]) / "summary.json").read_text())
+        assert s["samples_seen"] == t["samples_seen"] and s["epochs_planned"] == 2, (t, s)
+        if t["state"] == "EARLY_STOPPED":
+            assert s["status"] == "stopped" and s["stopped_by"]["tune_state"] == "EARLY_STOPPED", s
+            assert s["stopped_by"]["stop_rung"] == 1 and s["best_top1"] is not None, s
     # Every trial's start-up is broken down to its first step, and the data work was shared. One-worker
     # trials train in their own Tune process (trial_runner auto -> inline): no worker group to start.
     for t in trials:

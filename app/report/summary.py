@@ -74,9 +74,12 @@ def _priced(cfg: Config, billing: dict | None) -> dict[str, float] | None:
 
 def write_summary(cfg: Config, run_dir: str, local_run_dir: str, records: list[dict[str, Any]], t0: float,
                   t1: float, epochs_planned: int | None, *, use_gpu: bool, error: BaseException | None = None,
-                  spot: dict | None = None, billing: dict | None = None) -> dict[str, Any]:
+                  spot: dict | None = None, billing: dict | None = None, status: str | None = None,
+                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """``billing`` (app/train/billing.py): node-seconds per price key over every attempt of the run; when
-    given, the cost bills them (rolled-back work included) instead of inferring machines from devices."""
+    given, the cost bills them (rolled-back work included) instead of inferring machines from devices.
+    ``status`` replaces the one the error implies (finished / failed): a search's stopped trial is "stopped".
+    ``extra``: more keys, e.g. what stopped it."""
     from app.report.cost import estimate_cost
 
     train = [r for r in records if "event" not in r]
@@ -88,7 +91,7 @@ def write_summary(cfg: Config, run_dir: str, local_run_dir: str, records: list[d
     summary = {
         "run_name": cfg.name,
         "run_dir": run_dir,
-        "status": "failed" if error else "finished",
+        "status": status or ("failed" if error else "finished"),
         "error": None if error is None else f"{type(error).__name__}: {error}",
         "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t0)),
         "end_time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t1)),
@@ -120,9 +123,26 @@ def write_summary(cfg: Config, run_dir: str, local_run_dir: str, records: list[d
         "hardware": hardware(use_gpu),
         "command": " ".join(sys.argv),
         "config": cfg.to_dict(),
+        **(extra or {}),
     }
     data = json.dumps(summary, indent=2, default=str).encode()
     storage.write_bytes(storage.join(run_dir, "summary.json"), data)
     if local_run_dir != run_dir:
         storage.write_bytes(storage.join(local_run_dir, "summary.json"), data)
     return summary
+
+
+def write_summary_from_files(cfg: Config, run_dir: str, local_run_dir: str, t0: float, t1: float,
+                             epochs_planned: int | None, *, use_gpu: bool, error: BaseException | None = None,
+                             billing: dict | None = None, status: str | None = None,
+                             extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """summary.json for a run whose driver could not write it (ended from outside, or a search trial that Tune
+    stopped), from what the run wrote: its metrics.jsonl (none yet: the summary still names the cause)."""
+    from app.report.progress import MetricsFileError, read_metrics
+
+    try:
+        records = read_metrics(os.path.join(local_run_dir, "metrics.jsonl"))[0]
+    except MetricsFileError:
+        records = []
+    return write_summary(cfg, run_dir, local_run_dir, records, t0, t1, epochs_planned, use_gpu=use_gpu,
+                         error=error, billing=billing, status=status, extra=extra)

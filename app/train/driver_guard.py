@@ -232,19 +232,14 @@ class DriverDiedError(RuntimeError):
 def write_failed_summary(run: dict[str, Any], error: Exception) -> None:
     """summary.json for a run whose driver is gone, from what the run wrote: its config, metrics and bill."""
     from app.config import config_from_dict
-    from app.report.progress import MetricsFileError, read_metrics
-    from app.report.summary import write_summary
+    from app.report.summary import write_summary_from_files
     from app.train.billing import read_billing
 
-    cfg = config_from_dict(run["config"])
-    try:
-        records = read_metrics(os.path.join(run["local_run_dir"], "metrics.jsonl"))[0]
-    except MetricsFileError:
-        records = []
     billing = read_billing(run["run_dir"])
-    write_summary(cfg, run["run_dir"], run["local_run_dir"], records, float(run["t0"]), time.time(),
-                  run.get("epochs_planned"), use_gpu=bool(run.get("use_gpu")), error=error,
-                  billing=billing if billing["attempts"] else None)
+    write_summary_from_files(config_from_dict(run["config"]), run["run_dir"], run["local_run_dir"],
+                             float(run["t0"]), time.time(), run.get("epochs_planned"),
+                             use_gpu=bool(run.get("use_gpu")), error=error,
+                             billing=billing if billing["attempts"] else None)
 
 
 def _release_lock(run_dir: str) -> None:

@@ -364,6 +364,7 @@ def _finish(grid, sp: SearchSpace, exp_dir: pathlib.Path, trial_base: Config, t0
             out: TextIO, rungs: dict[str, Any]) -> dict[str, Any]:
     """Collect the trials, write the outputs and print the table, the best trial and where things are."""
     records = collect_trials(grid, sp, exp_dir, rungs)
+    summarize_ended_trials(records)
     result = write_outputs(exp_dir, sp, trial_base, records)
     result["startup"] = summarize_startup(records)
     result["rungs"] = rungs
@@ -419,6 +420,45 @@ def collect_trials(grid, sp: SearchSpace, exp_dir: pathlib.Path,
             "startup": trial_startup(str(exp_dir / tid)),
         })
     return records  # Tune's order: the order the searcher proposed them
+
+
+class TrialError(RuntimeError):
+    """A trial that Tune reports failed and whose own code wrote no summary.json."""
+
+
+def summarize_ended_trials(records: list[dict[str, Any]]) -> int:
+    """summary.json for each trial whose own code did not write one, from the files the trial wrote.
+
+    Tune ends a trial it stops (ASHA at a rung, the trial's time budget, a reached target) with its process,
+    while the trial waits inside ``tune.report``: the run's own end, which writes summary.json, never comes.
+    Its status here is "stopped" with ``stopped_by`` (Tune's state and the rung), or "failed" with Tune's
+    error. Returns how many were written."""
+    from app.report.summary import write_summary_from_files
+    from app.train.billing import read_billing
+    from app.train.runner import gpu_wanted
+
+    written = 0
+    for r in records:
+        run_dir = pathlib.Path(r["run_dir"])
+        if (run_dir / "summary.json").exists() or not (run_dir / "config.yaml").is_file():
+            continue  # finished by itself, or ended before it wrote anything a summary could say
+        try:
+            cfg = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
+            planned = json.loads((run_dir / "schedule.json").read_text()).get("epochs")
+        except (OSError, ValueError, ConfigError) as exc:
+            log.warning("no summary.json for trial %s: %s", r["trial_id"], exc)
+            continue
+        t0 = r["start"] or (run_dir / "config.yaml").stat().st_mtime
+        failed = r["state"] in ("ERROR", "NO_RESULT")
+        billing = read_billing(str(run_dir))
+        write_summary_from_files(
+            cfg, str(run_dir), str(run_dir), t0, t0 + r["time_s"], planned, use_gpu=gpu_wanted(cfg),
+            error=TrialError(r["error"] or "the trial reported no result") if failed else None,
+            billing=billing if billing["attempts"] else None, status=None if failed else "stopped",
+            extra=None if failed else {"stopped_by": {"tune_state": r["state"], "stop_rung": r["stop_rung"],
+                                                      "samples_seen": r["samples_seen"]}})
+        written += 1
+    return written
 
 
 def _trial_start(run_dir: pathlib.Path) -> float | None:
