@@ -96,8 +96,8 @@ def config_from_args(args: argparse.Namespace, rest: list[str]) -> Config:
 
 
 def main(argv: list[str] | None = None, *, guard: bool = False) -> int:
-    """Run one command. ``guard`` (the program's entry points only, never a caller in the same process): a
-    training run's driver runs in a child that a guardian process speaks for if Ray ends it
+    """Run one command. ``guard`` (the program's entry points only, never a caller in the same process): the
+    driver of a run or a search runs in a child that a guardian process speaks for if Ray ends it
     (app/train/driver_guard.py)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("eval", "predict"):  # subcommands on an exported model (no Ray)
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None, *, guard: bool = False) -> int:
     except ConfigError as exc:
         print(f"lightray: error: {exc}", file=sys.stderr)
         return 2
-    if guard and not (args.tune or args.prepare_only):
+    if guard and not args.prepare_only:
         from app.train import driver_guard
 
         # Before Ray or torch is imported: the fork must not copy their threads.

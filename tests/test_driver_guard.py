@@ -44,11 +44,15 @@ PROGRAM = textwrap.dedent("""
         for step in (1, 2):
             f.write(json.dumps({{"step": step, "samples_seen": 64 * step, "elapsed_s": step, "loss": 2.0}}) + "\\n")
     RunLock(run_dir, pid=driver_guard.driver_pid()).acquire()  # as the runner takes it
-    driver_guard.tell(run={{"name": "g", "storage": storage, "run_dir": run_dir, "local_run_dir": run_dir,
-                            "t0": time.time(), "config": cfg.to_dict(), "gcs_address": gcs,
-                            "raylet_address": None, "own_cluster": False, "epochs_planned": 3}})
+    if mode.startswith("tune"):  # a search's driver: what app/tune/search.py tells
+        driver_guard.tell(run={{"kind": "tune", "name": "g", "storage": storage, "gcs_address": gcs,
+                                "raylet_address": None, "own_cluster": False}})
+    else:
+        driver_guard.tell(run={{"name": "g", "storage": storage, "run_dir": run_dir, "local_run_dir": run_dir,
+                                "t0": time.time(), "config": cfg.to_dict(), "gcs_address": gcs,
+                                "raylet_address": None, "own_cluster": False, "epochs_planned": 3}})
     pathlib.Path(storage, "driver.pid").write_text(str(os.getpid()))
-    if mode == "ray_ends_it":  # Ray's core worker: exit status 1 from C++ once the cluster is gone
+    if mode.endswith("ray_ends_it"):  # Ray's core worker: exit status 1 from C++ once the cluster is gone
         while gcs_reachable(gcs, timeout_s=0.5):
             time.sleep(0.1)
         os._exit(1)
@@ -109,6 +113,19 @@ def test_driver_ended_by_ray_after_the_cluster_went_away_gets_summary_line_and_e
     assert s["status"] == "failed" and s["error"].startswith("ClusterLostError:") and "was lost" in s["error"]
     assert s["samples_seen"] == 128 and s["epochs_planned"] == 3 and s["run_name"] == "g"
     assert not (tmp_path / "runs" / "g" / LOCK_NAME).exists()  # the resume command finds the run free
+
+
+def test_search_driver_ended_by_ray_says_the_search_stopped_and_how_to_resume_it(tmp_path, gcs):
+    proc = start(tmp_path, "tune_ray_ends_it", gcs)
+    driver_pid(tmp_path, proc)
+    gcs.close()
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == EXIT_CLUSTER_LOST, out
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("lightray: error:")]
+    assert "was lost" in line and "the search stopped" in line and "summary.json" not in line, line
+    (resume,) = [ln for ln in out.splitlines() if "continue it from where it stopped with:" in ln]
+    assert "--tune" in resume and resume.endswith(f"--name g --storage {tmp_path / 'runs'} --resume"), resume
+    assert not (tmp_path / "runs" / "g" / "summary.json").exists()  # Tune's experiment folder is the state
 
 
 def test_driver_killed_by_a_signal_while_the_cluster_answers_is_reported_with_its_own_status(tmp_path, gcs):

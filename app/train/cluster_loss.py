@@ -99,14 +99,15 @@ class ClusterWatch:
             self._stop.set()
 
 
-def resume_command(name: str, storage: str, argv: list[str] | None = None) -> str:
-    """The command line that continues run ``name`` in ``storage``: the driver's own flags (when it was
-    started as ``app/run.py`` or ``lightray``) with ``--name``, ``--storage`` and ``--resume`` pinned, so that
-    it resumes this run from any working directory."""
+def resume_command(name: str, storage: str, argv: list[str] | None = None, *, tune: bool = False) -> str:
+    """The command line that continues run ``name`` in ``storage`` (with ``tune``, that search): the driver's
+    own flags (when it was started as ``app/run.py`` or ``lightray``) with ``--name``, ``--storage`` and
+    ``--resume`` pinned, so that it resumes from any working directory."""
     argv = list(sys.argv if argv is None else argv)
     prog, args = (argv[0], argv[1:]) if argv else ("", [])
     if not (prog.endswith("run.py") or os.path.basename(prog) == "lightray"):
-        prog, args = "app/run.py", []  # started from a bench or a notebook: the plain command
+        # started from a bench or a notebook: the plain command
+        prog, args = "app/run.py", ["--tune"] if tune else []
     kept: list[str] = []
     skip = False
     for a in args:
@@ -151,10 +152,14 @@ def report_and_exit(cause: str, name: str, storage: str, write_summary: Callable
     os._exit(EXIT_CLUSTER_LOST)
 
 
-def announce_stop(cause: str, name: str, storage: str, stream=None) -> None:
-    """The two lines that end a run stopped from outside: what happened, and the command that continues it."""
+def announce_stop(cause: str, name: str, storage: str, stream=None, *, tune: bool = False) -> None:
+    """The two lines that end a run (with ``tune``, a search) stopped from outside: what happened, and the
+    command that continues it."""
     stream = stream or sys.stderr
-    print(f"lightray: error: {cause}; the run stopped (summary.json: status failed)", file=stream, flush=True)
-    print(f"lightray: continue it from its last checkpoint with: {resume_command(name, storage)}",
+    what = "the search stopped (its finished trials are kept)" if tune else \
+        "the run stopped (summary.json: status failed)"
+    where = "where it stopped" if tune else "its last checkpoint"
+    print(f"lightray: error: {cause}; {what}", file=stream, flush=True)
+    print(f"lightray: continue it from {where} with: {resume_command(name, storage, tune=tune)}",
           file=stream, flush=True)
     sys.stdout.flush()

@@ -6,8 +6,8 @@ runs after that: no summary.json, no message, no resume command; ``ClusterWatch`
 a GCS that goes away while the driver lives on. Which of the two a ``ray stop`` produces is a race between the
 raylet's and the GCS's shutdown.
 
-So ``python app/run.py`` (and the ``lightray`` command) run a training run's driver in a child forked before Ray
-or torch is imported. This parent, the guardian, only waits. The child tells it through a pipe which run it
+So ``python app/run.py`` (and the ``lightray`` command) run the driver of a training run or a search in a child
+forked before Ray or torch is imported. This parent, the guardian, only waits. The child tells it through a pipe which run it
 drives (``tell``), and an exit hook tells it when Python itself ended the child (a return, an uncaught
 exception). A child that fails while its cluster is gone, or dies with no word from Python, was ended from
 outside, and the guardian does what the child could not: summary.json (status failed, the cause), one
@@ -72,6 +72,20 @@ def tell(**fields: Any) -> None:
             data = data[os.write(_pipe_w, data):]
     except OSError:
         pass  # the guardian is gone: the child dies with it anyway
+
+
+def tell_run(run: dict[str, Any]) -> None:
+    """Child side, once connected to Ray: tell the guardian the run (``kind`` "run", the default, or "tune";
+    ``name``, ``storage``; for a run what summary.json needs) with the addresses that show whether the cluster
+    is gone: the GCS and this node's raylet."""
+    if _pipe_w is None:
+        return
+    import ray
+
+    ctx = ray.get_runtime_context()
+    me = next((n for n in ray.nodes() if n.get("NodeID") == ctx.get_node_id()), {})
+    raylet = f"{me['NodeManagerAddress']}:{me['NodeManagerPort']}" if me.get("NodeManagerPort") else None
+    tell(run={**run, "gcs_address": ctx.gcs_address, "raylet_address": raylet})
 
 
 def guard() -> int | None:
@@ -210,18 +224,20 @@ def speak_for(run: dict[str, Any], code: int, cause: str | None) -> int:
     status to exit with."""
     from app.train.cluster_loss import ClusterLostError, announce_stop
 
+    tune = run.get("kind") == "tune"
     if cause is not None:
         error: Exception = ClusterLostError(cause)
     else:
         still = "" if run.get("own_cluster") else " while its Ray cluster still answers"
         error = DriverDiedError(f"the driver process ended unexpectedly ({_how(code)}){still}; see its output "
                                 "above and Ray's logs")
-    try:
-        write_failed_summary(run, error)
-    except Exception as exc:  # the lines and the resume command must still come out
-        print(f"lightray: warning: could not write summary.json: {exc}", file=sys.stderr, flush=True)
-    _release_lock(run["run_dir"])
-    announce_stop(str(error), run["name"], run["storage"])
+    if not tune:  # a search's state is Tune's own experiment folder, which --resume reads
+        try:
+            write_failed_summary(run, error)
+        except Exception as exc:  # the lines and the resume command must still come out
+            print(f"lightray: warning: could not write summary.json: {exc}", file=sys.stderr, flush=True)
+        _release_lock(run["run_dir"])
+    announce_stop(str(error), run["name"], run["storage"], tune=tune)
     return EXIT_CLUSTER_LOST if cause is not None else (code if code > 0 else 128 - code)
 
 

@@ -262,16 +262,10 @@ def _watch_cluster(cfg: Config, run_dir: str, local_run_dir: str, t0: float, met
 
 
 def _tell_guardian(cfg: Config, run_dir: str, local_run_dir: str, t0: float, **known: Any) -> None:
-    """What the driver's guardian (app/train/driver_guard.py) needs to write summary.json and say why, should
-    Ray end this process without a word: the run, and the addresses that tell whether the cluster is gone."""
-    if not driver_guard.guarded():
-        return
-    ctx = ray.get_runtime_context()
-    me = next((n for n in ray.nodes() if n.get("NodeID") == ctx.get_node_id()), {})
-    raylet = f"{me['NodeManagerAddress']}:{me['NodeManagerPort']}" if me.get("NodeManagerPort") else None
-    driver_guard.tell(run={"name": cfg.name, "storage": cfg.storage, "run_dir": run_dir, "local_run_dir": local_run_dir,
-                           "t0": t0, "config": cfg.to_dict(), "gcs_address": ctx.gcs_address,
-                           "raylet_address": raylet, **known})
+    """What the driver's guardian (app/train/driver_guard.py) needs to write summary.json, should Ray end this
+    process without a word."""
+    driver_guard.tell_run({"name": cfg.name, "storage": cfg.storage, "run_dir": run_dir,
+                           "local_run_dir": local_run_dir, "t0": t0, "config": cfg.to_dict(), **known})
 
 
 def _check_placement(cfg: Config, use_gpu: bool, started_here: bool, stream) -> placement.WaitReporter:

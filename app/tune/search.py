@@ -27,6 +27,7 @@ import yaml
 from ray import tune
 
 from app.config import Config, ConfigError, config_from_dict
+from app.train import driver_guard
 from app.tune.free import FreeTrialResources, PlacementGroupRecorder
 from app.tune.objective import REACHED, Objective, TrialReportCallback
 from app.tune.report import fmt_value as _fmt
@@ -318,7 +319,10 @@ def _start_cluster(cfg: Config, trial_base: Config, sp: SearchSpace, exp_dir: pa
     from app.data.prepare import prepare_main
     from app.train.runner import connect_ray
 
-    connect_ray(trial_base, bool(cfg.report.verbose), dashboard=True)
+    started_here = connect_ray(trial_base, bool(cfg.report.verbose), dashboard=True)
+    # Should Ray end this driver (the cluster gone), its guardian says so and prints the --resume command.
+    driver_guard.tell_run({"kind": "tune", "name": exp_dir.name, "storage": str(exp_dir.parent),
+                           "own_cluster": started_here})
     k, note = fit_concurrency(trial_base, sp.concurrent, ray.cluster_resources(), inline)
     where = "in the trial's own process" if inline else "as Ray Train worker groups"
     print(f"tune experiment {exp_dir}\n  {sp.trials} trials, {k} at once, {sp.budget_epochs} epochs each, trained "
