@@ -281,16 +281,40 @@ def test_flatten_params_dots_nested_keys_and_indexes_lists_of_mappings() -> None
     assert len(flatten_params({"b": "x" * 900})["b"]) == 500
 
 
-def test_log_run_without_mlflow_names_the_extra_to_install(tmp_path: Path) -> None:
-    try:
-        import mlflow  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        pytest.skip("mlflow is installed; the missing-extra path cannot be exercised")
+def test_log_run_without_mlflow_names_the_extra_to_install(tmp_path: Path, monkeypatch) -> None:
+    # A None entry in sys.modules makes `import mlflow` fail as on a machine without the extra.
+    monkeypatch.setitem(sys.modules, "mlflow", None)
     run = write_run(tmp_path / "r")
     with pytest.raises(MissingExtraError, match=r'pip install "lightray\[mlflow\]"'):
-        log_run("file:///tmp/mlruns", str(run))
+        log_run(f"sqlite:///{tmp_path / 'mlflow.db'}", str(run))
+
+
+def test_log_run_copies_params_metric_history_summary_and_report_into_mlflow(tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("mlflow", reason="the [mlflow] extra is part of the test extra")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.chdir(tmp_path)  # MLflow's default artifact root (./mlruns) lands here
+    run = write_run(tmp_path / "r1", restarts_at=(25,))
+    (run / "report").mkdir()
+    (run / "report" / "report.md").write_text("# r1\n")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_id = log_run(uri, str(run), experiment="lr-test")
+
+    client = MlflowClient(uri)
+    logged = client.get_run(run_id)
+    assert client.get_experiment(logged.info.experiment_id).name == "lr-test"
+    assert logged.data.params["optim.lr_per_256"] == "0.4"
+    assert logged.data.params["schedule.phases.0.resolution"] == "64"
+    assert len(logged.data.params) == len(flatten_params(Config(name="r1").to_dict()))  # past one 100-param batch
+    loss = client.get_metric_history(run_id, "train/loss")
+    assert [m.step for m in loss] == list(range(5, 81, 5))
+    assert [m.value for m in loss] == pytest.approx([2.3 - 0.02 * s for s in range(5, 81, 5)])
+    assert [m.step for m in client.get_metric_history(run_id, "val/top1")] == list(range(10, 81, 10))
+    assert logged.data.metrics["final/best_top1"] == pytest.approx(0.9)
+    assert logged.data.metrics["final/restarts"] == 1
+    artifacts = {a.path for a in client.list_artifacts(run_id)} | {
+        a.path for a in client.list_artifacts(run_id, "report")}
+    assert {"summary.json", "report/report.md"} <= artifacts
 
 
 # --- a real run -------------------------------------------------------------------------------
