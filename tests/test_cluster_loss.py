@@ -106,25 +106,32 @@ def test_watch_stopped_before_the_loss_never_fires():
     assert fired == []
 
 
-@pytest.mark.slow
-def test_run_on_a_cluster_that_is_stopped_mid_run_fails_in_one_line_with_summary_and_resume_command(
-        tmp_path, shared_cache):
+def train_then_stop(tmp_path: pathlib.Path, shared_cache: pathlib.Path, name: str, only: str | None = None):
+    """A driver on its own head cluster, trained to a checkpoint, then the cluster stopped (or only the processes
+    named ``only``); returns (head, the finished driver, its output, seconds from the stop to its exit)."""
     head = HeadCluster(tmp_path)
     proc = None
     try:
-        name = "lost-cluster"
         proc = driver(tmp_path / "runs", name, *long_run(8), cache=shared_cache, address=head.address,
                       env={"RAY_AUTH_MODE": "disabled"})
         run = tmp_path / "runs" / name
         wait_for(lambda: checkpoints(run) and last_samples(run) > 0, 600, "a checkpoint and training steps", proc)
         stopped_at = time.time()
-        head.stop()
+        head.stop(only=only)
         out, _ = proc.communicate(timeout=120)
-        exited_after = time.time() - stopped_at
+        return head, proc, out, time.time() - stopped_at
     finally:
         if proc is not None and proc.poll() is None:
             kill_group(proc)
         head.stop()
+
+
+@pytest.mark.slow
+def test_run_on_a_cluster_that_is_stopped_mid_run_fails_in_one_line_with_summary_and_resume_command(
+        tmp_path, shared_cache):
+    name = "lost-cluster"
+    head, proc, out, exited_after = train_then_stop(tmp_path, shared_cache, name)
+    run = tmp_path / "runs" / name
     assert proc.returncode == EXIT_CLUSTER_LOST, out[-4000:]
     # Before Ray's own 60 s limit on a lost GCS would have ended the driver silently.
     assert exited_after < 60, exited_after
@@ -155,20 +162,10 @@ def test_driver_that_ray_ends_when_its_raylet_stops_is_still_reported_in_one_lin
         tmp_path, shared_cache):
     """The order of a ``ray stop`` in which the driver's own raylet goes first: Ray's core worker ends the driver
     from C++ at once (exit status 1, not a word), and the guardian process (app/train/driver_guard.py) speaks."""
-    head = HeadCluster(tmp_path)
-    proc = None
-    try:
-        name = "lost-raylet"
-        proc = driver(tmp_path / "runs", name, *long_run(8), cache=shared_cache, address=head.address,
-                      env={"RAY_AUTH_MODE": "disabled"})
-        run = tmp_path / "runs" / name
-        wait_for(lambda: checkpoints(run) and last_samples(run) > 0, 600, "a checkpoint and training steps", proc)
-        head.stop(only="raylet")  # the GCS still answers: ClusterWatch alone would never fire
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc is not None and proc.poll() is None:
-            kill_group(proc)
-        head.stop()
+    name = "lost-raylet"
+    # Only the raylet: the GCS still answers, so the driver's ClusterWatch alone would never fire.
+    head, proc, out, _ = train_then_stop(tmp_path, shared_cache, name, only="raylet")
+    run = tmp_path / "runs" / name
     assert proc.returncode == EXIT_CLUSTER_LOST, out[-4000:]
     (lost,) = [ln for ln in out.splitlines() if ln.startswith("lightray: error:")]
     assert "was lost" in lost and "raylet" in lost and head.address.split(":")[1] in lost, lost
