@@ -123,9 +123,9 @@ def main(argv: list[str] | None = None, *, guard: bool = False) -> int:
     except ConfigError as exc:
         print(f"lightray: error: {exc}", file=sys.stderr)
         return 2
-    if guard and not args.prepare_only:
-        from app.train import driver_guard
+    from app.train import driver_guard
 
+    if guard and not args.prepare_only:
         # Before Ray or torch is imported: the fork must not copy their threads.
         status = driver_guard.guard()
         if status is not None:  # the guardian, after the driver ended
@@ -172,6 +172,10 @@ def main(argv: list[str] | None = None, *, guard: bool = False) -> int:
             traceback.print_exc()
         print(f"lightray: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        # Python has had its say (a return, a handled error, an exception on its way to the traceback), and
+        # Ray's exit hooks, which can block on a cluster that is gone, have not run yet.
+        driver_guard.tell(python_exit=True)
 
 
 def console() -> int:

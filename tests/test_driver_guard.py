@@ -29,7 +29,7 @@ PROGRAM = textwrap.dedent("""
     from app.train import driver_guard
     from app.train.cluster_loss import gcs_reachable
 
-    driver_guard.SETTLE_S = 1.0
+    driver_guard.SETTLE_S = driver_guard.PYTHON_SETTLE_S = 1.0
     mode, storage, gcs = sys.argv[1:4]
     status = driver_guard.guard()
     if status is not None:  # the guardian
@@ -60,6 +60,11 @@ PROGRAM = textwrap.dedent("""
         os.kill(os.getpid(), signal.SIGKILL)
     if mode == "python_error":
         raise RuntimeError("a bug in the driver")
+    if mode == "usage_error":  # what cli.main returns after its one-line ConfigError / DataError
+        while gcs_reachable(gcs, timeout_s=0.5):
+            time.sleep(0.1)
+        print("lightray: error: data: bad value", file=sys.stderr)
+        sys.exit(2)
     time.sleep(600)  # "runs": signals come from the test
 """)
 
@@ -144,6 +149,17 @@ def test_python_error_in_the_driver_passes_through_without_a_second_report(tmp_p
     assert proc.returncode == 1, out
     assert "RuntimeError: a bug in the driver" in out
     assert not any(ln.startswith("lightray: error:") for ln in out.splitlines()), out
+    assert not (tmp_path / "runs" / "g" / "summary.json").exists()
+
+
+def test_usage_error_the_cli_reported_passes_through_even_with_the_cluster_gone(tmp_path, gcs):
+    proc = start(tmp_path, "usage_error", gcs)
+    driver_pid(tmp_path, proc)
+    gcs.close()
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2, out
+    assert [ln for ln in out.splitlines() if ln.startswith("lightray: error:")] == [
+        "lightray: error: data: bad value"], out
     assert not (tmp_path / "runs" / "g" / "summary.json").exists()
 
 

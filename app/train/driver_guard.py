@@ -6,13 +6,14 @@ runs after that: no summary.json, no message, no resume command; ``ClusterWatch`
 a GCS that goes away while the driver lives on. Which of the two a ``ray stop`` produces is a race between the
 raylet's and the GCS's shutdown.
 
-So ``python app/run.py`` (and the ``lightray`` command) run the driver of a training run or a search in a child
-forked before Ray or torch is imported. This parent, the guardian, only waits. The child tells it through a pipe which run it
-drives (``tell``), and an exit hook tells it when Python itself ended the child (a return, an uncaught
-exception). A child that fails while its cluster is gone, or dies with no word from Python, was ended from
-outside, and the guardian does what the child could not: summary.json (status failed, the cause), one
-``lightray: error:`` line, the command that continues the run, and exit status ``EXIT_CLUSTER_LOST`` when the
-cluster is gone (its GCS or the driver's raylet does not answer), else the child's own status.
+So ``python app/run.py`` (and the ``lightray`` command) run the driver of a training run or a search in a
+child forked before Ray or torch is imported. This parent, the guardian, only waits. The child tells it
+through a pipe which run it drives (``tell_run``), and tells it when Python itself ended the child (a return,
+a handled error, an uncaught exception). A child that fails while its cluster is gone, or dies with no word
+from Python, was ended from outside, and the guardian does what the child could not: summary.json (status
+failed, the cause), one ``lightray: error:`` line, the command that continues the run, and exit status
+``EXIT_CLUSTER_LOST`` when the cluster is gone (its GCS or the driver's raylet does not answer), else the
+child's own status.
 
 To the user and to process tools the started command is still the driver: the child dies with the guardian
 (``PR_SET_PDEATHSIG``), the run lock names the guardian's pid, SIGTERM and SIGHUP sent to the guardian reach
@@ -39,6 +40,7 @@ _FORWARDED = (signal.SIGTERM, signal.SIGHUP)
 # How long a silent end waits for the cluster's ports to close before it counts as the driver's own death: a
 # raylet stopped with SIGTERM drains for a few seconds before it closes its port.
 SETTLE_S = 15.0
+PYTHON_SETTLE_S = 5.0  # the same after a failure Python reported (a traceback): the common case waits less
 
 _pipe_w: int | None = None  # the child's end of the pipe to its guardian; None when unguarded
 _guardian: int | None = None
@@ -103,8 +105,8 @@ def guard() -> int | None:
         os.close(r)
         _die_with(parent)
         _pipe_w, _guardian = w, parent
-        # Runs when Python ends the driver (a return, sys.exit, an uncaught exception's traceback), never when
-        # Ray's C++ code or a signal does: the guardian tells the two apart by it.
+        # Python ending the driver says so (cli.main's finally first, this hook for any other way out); Ray's C++
+        # code or a signal ending it does not: the guardian tells the two apart by it.
         atexit.register(tell, python_exit=True)
         return None
     os.close(w)
@@ -153,12 +155,14 @@ class _Guardian:
         if run is None or code in (0, EXIT_CLUSTER_LOST) or self.forwarded is not None:
             return self._pass_on(code)  # EXIT_CLUSTER_LOST: the driver's own ClusterWatch said it all
         python_exit = any(m.get("python_exit") for m in messages)
+        if python_exit and code == 2:  # a usage or data error the CLI reported in its one line
+            return self._pass_on(code)
         if run.get("own_cluster"):  # the local cluster it started ends with it: its state says nothing
             return self._pass_on(code) if python_exit else speak_for(run, code, None)
         # A failure while the cluster is gone is the loss, whatever Python said first (a Ray error, a
-        # traceback); with the cluster up, a failure Python reported itself is passed on as it is. Only a
-        # silent end waits for a stopping node to close its ports.
-        cause = lost_cause(run, code, settle_s=0.0 if python_exit else SETTLE_S)
+        # traceback); with the cluster up, a failure Python reported itself is passed on as it is. A Ray
+        # error can come a few seconds before the stopping node closes its ports, a silent end sooner still.
+        cause = lost_cause(run, code, settle_s=PYTHON_SETTLE_S if python_exit else SETTLE_S)
         if cause is None and python_exit:
             return self._pass_on(code)
         return speak_for(run, code, cause)
