@@ -281,16 +281,16 @@ def test_flatten_params_dots_nested_keys_and_indexes_lists_of_mappings() -> None
     assert len(flatten_params({"b": "x" * 900})["b"]) == 500
 
 
-def test_log_run_without_mlflow_names_the_extra_to_install(tmp_path: Path, monkeypatch) -> None:
+def test_log_run_without_mlflow_names_the_package_to_install(tmp_path: Path, monkeypatch) -> None:
     # A None entry in sys.modules makes `import mlflow` fail as on a machine without the extra.
     monkeypatch.setitem(sys.modules, "mlflow", None)
     run = write_run(tmp_path / "r")
-    with pytest.raises(MissingExtraError, match=r'pip install "lightray\[mlflow\]"'):
+    with pytest.raises(MissingExtraError, match=r'pip install "mlflow-skinny>=2.10"'):
         log_run(f"sqlite:///{tmp_path / 'mlflow.db'}", str(run))
 
 
 def test_log_run_copies_params_metric_history_summary_and_report_into_mlflow(tmp_path: Path, monkeypatch) -> None:
-    pytest.importorskip("mlflow", reason="the [mlflow] extra is part of the test extra")
+    pytest.importorskip("mlflow", reason="mlflow-skinny is a declared dependency")
     from mlflow.tracking import MlflowClient
 
     monkeypatch.chdir(tmp_path)  # MLflow's default artifact root (./mlruns) lands here

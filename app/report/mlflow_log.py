@@ -1,7 +1,7 @@
 """``--mlflow URI``: copy a finished run (params, metrics, summary, report) into an MLflow tracking server.
 
-MLflow is an optional extra: it is imported only here, only when asked for, so a plain install
-never needs it. Metric names are the TensorBoard tags (``train/loss``, ``val/top1``, ...) so the
+MLflow (``mlflow-skinny``, a declared dependency) is imported only here, only when asked for, so a run
+without ``--mlflow`` never loads it. Metric names are the TensorBoard tags (``train/loss``, ``val/top1``, ...) so the
 two views of a run agree.
 """
 
@@ -20,7 +20,7 @@ PARAM_BATCH = 100  # MLflow's log_batch limit on params per request
 
 
 class MissingExtraError(ImportError):
-    """An optional dependency is not installed; the message says which extra installs it."""
+    """MLflow is not importable (an install that skipped dependencies); the message says how to install it."""
 
 
 def _import_mlflow() -> Any:
@@ -28,8 +28,8 @@ def _import_mlflow() -> Any:
         import mlflow
     except ImportError:
         raise MissingExtraError(
-            '--mlflow needs the optional "mlflow" package, which is not installed; '
-            'install it with: pip install "lightray[mlflow]"'
+            '--mlflow needs the "mlflow" package (lightray depends on mlflow-skinny), which is not '
+            'installed; install it with: pip install "mlflow-skinny>=2.10"'
         ) from None
     return mlflow
 

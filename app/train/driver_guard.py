@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import json
 import os
 import signal
@@ -53,11 +54,6 @@ def enabled() -> bool:
         "0", "false", "no", "off")
 
 
-def guarded() -> bool:
-    """Whether this process is a driver with a guardian to tell."""
-    return _pipe_w is not None
-
-
 def driver_pid() -> int:
     """The pid that stands for this driver: the guardian's when guarded (the command the user started)."""
     return _guardian if _guardian is not None else os.getpid()
@@ -82,12 +78,18 @@ def tell_run(run: dict[str, Any]) -> None:
     is gone: the GCS and this node's raylet."""
     if _pipe_w is None:
         return
+    tell(run={**run, **_cluster_addresses()})
+
+
+@functools.cache
+def _cluster_addresses() -> dict[str, str | None]:
+    """This driver's GCS and raylet addresses, asked of Ray once (a run tells its guardian twice)."""
     import ray
 
     ctx = ray.get_runtime_context()
     me = next((n for n in ray.nodes() if n.get("NodeID") == ctx.get_node_id()), {})
     raylet = f"{me['NodeManagerAddress']}:{me['NodeManagerPort']}" if me.get("NodeManagerPort") else None
-    tell(run={**run, "gcs_address": ctx.gcs_address, "raylet_address": raylet})
+    return {"gcs_address": ctx.gcs_address, "raylet_address": raylet}
 
 
 def guard() -> int | None:

@@ -197,18 +197,17 @@ def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, str
     from app.train.billing import NodeMeter
 
     meter = NodeMeter(run_dir, cfg.cost.node_type).start()  # every attempt's machine time, kept outside checkpoints
-    known: dict[str, Any] = {}  # what a summary written on a cluster loss can say so far
+    known: dict[str, Any] = {"own_cluster": started_here}  # what a summary written on a cluster loss can say
     watch = _watch_cluster(cfg, run_dir, local_run_dir, t0, meter, known, lock)
-    _tell_guardian(cfg, run_dir, local_run_dir, t0, own_cluster=started_here)
+    _tell_guardian(cfg, run_dir, local_run_dir, t0, known)
     try:
         use_gpu = gpu_wanted(cfg)
         waiting = _check_placement(cfg, use_gpu, started_here, stream or sys.stdout)
         with startup.phase("data_prepare"):
             manifest = Manifest.load(manifest_at or str(prepare_main(cfg)))
         spec, sched = build_ingest_spec(cfg, manifest, shared_tiers)
-        known.update(sched=sched, use_gpu=use_gpu)
-        _tell_guardian(cfg, run_dir, local_run_dir, t0, own_cluster=started_here, epochs_planned=sched.epochs,
-                       use_gpu=use_gpu)
+        known.update(epochs_planned=sched.epochs, use_gpu=use_gpu)
+        _tell_guardian(cfg, run_dir, local_run_dir, t0, known)
         setup_start = time.time()
         _write_run_files(cfg, run_dir, manifest, spec)
         _announce_schedule(sched, run_dir, eval_resolution(cfg), stream=(stream or sys.stdout) if progress else None)
@@ -243,16 +242,12 @@ def _watch_cluster(cfg: Config, run_dir: str, local_run_dir: str, t0: float, met
     from app.train.cluster_loss import ClusterLostError, ClusterWatch, report_and_exit
 
     def write(error: ClusterLostError) -> None:
+        from app.report.summary import write_summary_from_files
+
         billing = meter.flush()  # no last sample: it asks the cluster that is gone
-        try:
-            if "sched" in known:
-                _write_result(cfg, run_dir, local_run_dir, t0, known["sched"], known["use_gpu"], error, [], billing)
-            else:  # lost before the schedule was built: what is known
-                write_bytes(join(run_dir, "summary.json"), json.dumps(
-                    {"run_name": cfg.name, "run_dir": run_dir, "status": "failed",
-                     "error": f"{type(error).__name__}: {error}", "command": " ".join(sys.argv)}, indent=2).encode())
-        except ClusterLostError:
-            pass  # _write_result re-raises the run's error once summary.json is written
+        try:  # what the run wrote so far; the same summary the driver's guardian writes (driver_guard.py)
+            write_summary_from_files(cfg, run_dir, local_run_dir, t0, time.time(), known.get("epochs_planned"),
+                                     use_gpu=bool(known.get("use_gpu")), error=error, billing=billing)
         finally:
             if lock is not None:
                 lock.release()
@@ -261,9 +256,9 @@ def _watch_cluster(cfg: Config, run_dir: str, local_run_dir: str, t0: float, met
                         lambda cause: report_and_exit(cause, cfg.name, cfg.storage, write)).start()
 
 
-def _tell_guardian(cfg: Config, run_dir: str, local_run_dir: str, t0: float, **known: Any) -> None:
+def _tell_guardian(cfg: Config, run_dir: str, local_run_dir: str, t0: float, known: dict[str, Any]) -> None:
     """What the driver's guardian (app/train/driver_guard.py) needs to write summary.json, should Ray end this
-    process without a word."""
+    process without a word: what the cluster-loss handler above knows, and the run."""
     driver_guard.tell_run({"name": cfg.name, "storage": cfg.storage, "run_dir": run_dir,
                            "local_run_dir": local_run_dir, "t0": t0, "config": cfg.to_dict(), **known})
 
