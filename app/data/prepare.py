@@ -43,6 +43,7 @@ import pyarrow.parquet as pq
 from app import storage
 from app.data import images, sources_parquet, sources_webdataset
 from app.data.manifest import BAD_FILES, MANIFEST, Manifest
+from app.data.mix import SHARD_MIX_SEED, shard_order
 from app.data.shard_cache import default_local_dir
 from app.data.source import DataError, SourceListing, resolve_fs, run_val_fraction
 from app.data.sources import list_source
@@ -93,15 +94,6 @@ def cache_key(listing: SourceListing | RowListing, params: dict[str, Any]) -> st
     h.update(listing.fingerprint().encode())
     h.update(json.dumps(params, sort_keys=True, separators=(",", ":")).encode())
     return h.hexdigest()
-
-
-SHARD_MIX_SEED = 20200731
-
-
-def shard_order(n: int, split: str) -> np.ndarray:
-    """A fixed pseudo-random permutation of a split's ``n`` selected entries (same inputs, same shards)."""
-    rng = np.random.default_rng([SHARD_MIX_SEED, sum(split.encode())])
-    return rng.permutation(n)
 
 
 def selected_ids(n: int, k: int) -> np.ndarray:
@@ -357,8 +349,9 @@ def unit_rows(cache: _Cache, unit: dict[str, Any]) -> list[tuple[int, str, int, 
 
 def _plan_row_shards(cache: _Cache, limit: dict[str, int] | None, shard_rows: int,
                      jpeg_quality: int) -> list[dict[str, Any]]:
-    """Units of a Parquet / WebDataset source: row ranges of one container file each. They keep the
-    source's own row order (such sources are conventionally written shuffled)."""
+    """Units of a Parquet / WebDataset source: a Parquet split whose rows are clustered by class gets
+    shards of a seeded mix of its rows (``app.data.mix``), a shuffled one row ranges of one file each;
+    WebDataset units are one tar each."""
     listing = cache.listing
     module = sources_parquet if listing.kind == "parquet" else sources_webdataset
     units = []

@@ -11,15 +11,18 @@ else ``"0".."max"`` for integer labels. Work units are row ranges of one file, s
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from app.data import mix
 from app.data.source import DataError
 from app.data.sources_rows import (
     RowFile,
@@ -31,6 +34,7 @@ from app.data.sources_rows import (
     sample_id,
 )
 
+log = logging.getLogger("lightray.prepare")
 IMAGE_COLUMNS = ("image", "img", "jpg", "jpeg", "png", "image_bytes")
 LABEL_COLUMNS = ("label", "labels", "cls", "class", "target")
 
@@ -97,86 +101,120 @@ def list_parquet(root: str, base: str, fs: pafs.FileSystem) -> RowListing:
         splits.setdefault(split, []).append(RowFile(f.path, f.size, f.mtime_ns, int(meta.num_rows)))
 
     classes = read_classes_json(base, fs) or _hf_names(schema, label_col)
-    if classes is None:
-        def labels(item: tuple[str, RowFile]) -> pa.ChunkedArray:
-            with fs.open_input_file(f"{base}/{item[1].path}") as fh:
-                return pq.read_table(fh, columns=[label_col]).column(label_col)
 
-        wanted = files if label_kind == "int" else [x for x in files if x[0] == "train"]
-        with ThreadPoolExecutor(16) as pool:
-            cols = list(pool.map(labels, wanted))
+    def labels(item: tuple[str, RowFile]) -> pa.ChunkedArray:
+        with fs.open_input_file(f"{base}/{item[1].path}") as fh:
+            return pq.read_table(fh, columns=[label_col]).column(label_col)
+
+    # The train split's labels are always read (one small column per file): the shard plan needs them to
+    # tell a class-sorted split from a shuffled one. Other splits only when their labels name the classes.
+    wanted = files if classes is None and label_kind == "int" else [x for x in files if x[0] == "train"]
+    with ThreadPoolExecutor(16) as pool:
+        cols = dict(zip(wanted, pool.map(labels, wanted)))
+    if classes is None:
         if label_kind == "int":
-            top = max((pc.max(c).as_py() for c in cols if len(c)), default=None)
+            top = max((pc.max(c).as_py() for c in cols.values() if len(c)), default=None)
             classes = [str(i) for i in range((top if top is not None else -1) + 1)]
         else:
             uniq: set[str] = set()
-            for c in cols:
-                uniq.update(v for v in pc.unique(c.cast(pa.string())).to_pylist() if v is not None)
+            for (split, _), c in cols.items():
+                if split == "train":
+                    uniq.update(v for v in pc.unique(c.cast(pa.string())).to_pylist() if v is not None)
             classes = sorted(uniq)
     if not classes:
         raise _error(f"{first}: no labels in column {label_col!r}; expected class labels")
+    train_labels = _label_codes([cols[x] for x in files if x[0] == "train"], classes)
     opts = {"image_col": image_col, "label_col": label_col, "label_kind": label_kind}
+    score = mix.clustering(train_labels)
+    if score > mix.LIMIT:
+        # Part of the listing's fingerprint, so a cache built from row ranges is never reused for the mix.
+        opts["mixed_splits"] = ["train"]
+        log.warning("%s: the train rows are clustered by class (runs of %d consecutive rows are %.0f standard "
+                    "deviations from fair samples); prepare mixes them across shards, reading each file's row "
+                    "groups for many shards (a source written shuffled is read once, in order)", root,
+                    mix.check_rows(len(train_labels)), score)
     return RowListing(root=root, kind="parquet", classes=classes, splits=splits, options=opts)
 
 
+def _label_codes(columns: list[pa.ChunkedArray], classes: list[str]) -> np.ndarray:
+    """Class indices of the rows of ``columns`` in order (-1 for a missing or unknown label)."""
+    if not columns:
+        return np.zeros(0, np.int64)
+    col = pa.chunked_array([c for col in columns for c in col.chunks], columns[0].type)
+    if pa.types.is_integer(col.type):
+        return np.asarray(col.fill_null(-1).to_numpy(), dtype=np.int64)
+    codes = pc.index_in(col.cast(pa.string()), value_set=pa.array(classes, pa.string()))
+    return np.asarray(codes.fill_null(-1).to_numpy(), dtype=np.int64)
+
+
 def plan_units(listing: RowListing, split: str, limit: int, shard_rows: int) -> list[dict[str, Any]]:
-    """Row ranges of one file, at most ``shard_rows`` rows each. A limit takes evenly spaced rows over the
-    whole split (every file, and so every class of a shuffled source, stays represented)."""
+    """Units of at most ``shard_rows`` rows. A limit takes evenly spaced rows over the whole split (every
+    file, and so every class of a shuffled source, stays represented). A split the listing found clustered
+    by class (``options["mixed_splits"]``) is cut in a seeded mix of its rows, as an ImageFolder listing is,
+    so that each shard is a fair sample; each unit then reads its rows from every file that holds them.
+    Otherwise a unit is a row range of one file, read in order."""
     files = listing.splits[split]
     total = sum(f.num_rows for f in files)
-    chosen: list[list[int]] = [[] for _ in files]
-    if limit and limit < total:
-        starts, acc = [], 0
-        for f in files:
-            starts.append(acc)
-            acc += f.num_rows
-        fi = 0
-        for g in (i * total // limit for i in range(limit)):
-            while g >= starts[fi] + files[fi].num_rows:
-                fi += 1
-            chosen[fi].append(g - starts[fi])
-    else:
-        chosen = [list(range(f.num_rows)) for f in files]
-    units = []
-    for fi, (f, rows) in enumerate(zip(files, chosen)):
-        for lo in range(0, len(rows), shard_rows):
-            take = rows[lo:lo + shard_rows]
-            # A contiguous range is sent as its two ends, not as a list of every row.
-            spec = {"range": [take[0], take[-1] + 1]} if take[-1] - take[0] + 1 == len(take) else {"take": take}
-            units.append({"file": f.path, "file_index": fi, "listed": len(take), **spec})
-    return units
+    starts = np.concatenate([[0], np.cumsum([f.num_rows for f in files])]).astype(np.int64)
+    picked = (np.arange(limit, dtype=np.int64) * total // limit) if limit and limit < total else \
+        np.arange(total, dtype=np.int64)
+    mixed = split in listing.options.get("mixed_splits", [])
+    if mixed:
+        picked = picked[mix.shard_order(len(picked), split)]
+        units = []
+        for lo in range(0, len(picked), shard_rows):
+            # Within a unit rows go in file order: each file's row groups are read once, front to back.
+            glob = np.sort(picked[lo:lo + shard_rows])
+            fidx = np.searchsorted(starts, glob, side="right") - 1
+            parts = [_part(files, fi, (glob[fidx == fi] - starts[fi]).tolist()) for fi in np.unique(fidx).tolist()]
+            units.append({"parts": parts, "listed": len(glob)})
+        return units
+    fidx = np.searchsorted(starts, picked, side="right") - 1
+    return [_part(files, fi, rows[lo:lo + shard_rows])
+            for fi in range(len(files)) if (rows := (picked[fidx == fi] - starts[fi]).tolist())
+            for lo in range(0, len(rows), shard_rows)]
+
+
+def _part(files: list[RowFile], fi: int, take: list[int]) -> dict[str, Any]:
+    """Rows ``take`` (sorted) of file ``fi``; a contiguous range is sent as its two ends, not every row."""
+    spec = {"range": [take[0], take[-1] + 1]} if take[-1] - take[0] + 1 == len(take) else {"take": take}
+    return {"file": files[fi].path, "file_index": fi, "listed": len(take), **spec}
 
 
 def iter_samples(unit: dict[str, Any], fs: pafs.FileSystem, base: str
                  ) -> Iterator[tuple[int, str, int | None, bytes | None, str]]:
     """(sample_id, path, label, image bytes, reason) for each row of the unit; bytes None with a reason
     for a row without a usable image or label."""
+    for part in unit.get("parts") or [unit]:
+        yield from _file_samples(part, unit, fs, base)
+
+
+def _file_samples(part: dict[str, Any], unit: dict[str, Any], fs: pafs.FileSystem, base: str
+                  ) -> Iterator[tuple[int, str, int | None, bytes | None, str]]:
+    """The rows of one file that ``part`` names (``range`` or ``take``), reading only their row groups."""
     opts = unit["options"]
     image_col, label_col = opts["image_col"], opts["label_col"]
     index = {c: i for i, c in enumerate(unit["classes"])}
-    rows = list(range(*unit["range"])) if "range" in unit else list(unit["take"])
-    rel = unit["file"]
+    rows = list(range(*part["range"])) if "range" in part else list(part["take"])
+    rel = part["file"]
     with fs.open_input_file(f"{base}/{rel}") as fh:
         pf = pq.ParquetFile(fh)
-        # Read only the row groups that hold the unit's rows, only the two columns.
-        groups, starts, acc = [], [], 0
-        lo, hi = rows[0], rows[-1] + 1
-        for g in range(pf.metadata.num_row_groups):
-            n = pf.metadata.row_group(g).num_rows
-            if acc < hi and acc + n > lo:
-                groups.append(g)
-                starts.append(acc)
-            acc += n
-        table = pf.read_row_groups(groups, columns=[image_col, label_col])
-    offset = starts[0] if starts else 0
+        bounds = np.cumsum([0] + [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)])
+        # Only the row groups that hold the part's rows, only the two columns.
+        group_of = np.searchsorted(bounds, np.asarray(rows), side="right") - 1
+        groups = np.unique(group_of)
+        table = pf.read_row_groups(groups.tolist(), columns=[image_col, label_col])
+    # The table is the groups read, back to back: where each group starts in it, then each row's place.
+    sizes = bounds[groups + 1] - bounds[groups]
+    table_start = dict(zip(groups.tolist(), (np.cumsum(sizes) - sizes).tolist()))
+    local = pa.array([table_start[g] + r - int(bounds[g]) for r, g in zip(rows, group_of.tolist())], pa.int64())
     images = table.column(image_col)
     if pa.types.is_struct(images.type):
         images = pc.struct_field(images, "bytes")
-    images = images.to_pylist()
-    labels = table.column(label_col).to_pylist()
-    for r in rows:
-        sid, path = sample_id(unit["file_index"], r), row_path(rel, r)
-        data, raw = images[r - offset], labels[r - offset]
+    images = images.take(local).to_pylist()
+    labels = table.column(label_col).take(local).to_pylist()
+    for r, data, raw in zip(rows, images, labels):
+        sid, path = sample_id(part["file_index"], r), row_path(rel, r)
         label, reason = _label(raw, index, len(unit["classes"]))
         if data is None:
             yield sid, path, None, None, "no image bytes in the row"
