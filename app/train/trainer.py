@@ -33,6 +33,7 @@ from app.report.runlog import get_runlog
 from app.schedule import Position, Schedule
 from app.storage import join
 from app.train import device as dev
+from app.train.agreement import agree
 from app.train.comm import CommHook
 from app.train.ema import ModelEMA
 from app.train.evaluate import evaluate as evaluate_split
@@ -308,10 +309,10 @@ class Trainer:
                 self.report({"event": "first_step", "step": self.counters.step, "time": time.time(),
                              "data_wait_s": self.window["wait"]})
             self._log_samples(batch, epoch)
-            if self.counters.step % self.cfg.report.every_steps == 0:
+            decision_step = self.counters.step % self.cfg.report.every_steps == 0
+            if decision_step:
                 self._report_window(epoch, run, lr, mom)
-                self._check_preemption()
-            self._maybe_checkpoint(last_in_epoch=step == last)
+            self._maybe_checkpoint(last_in_epoch=step == last, decision_step=decision_step)
             if self.stopped:
                 return step == last
         return True
@@ -468,13 +469,24 @@ class Trainer:
         self.report(self.metrics)
         self.checkpoint("epoch", self.metrics)
 
-    def _maybe_checkpoint(self, last_in_epoch: bool) -> None:
-        """Interval checkpoints (every N steps, every N minutes, at ``stop_after_steps``) inside an epoch;
-        the epoch's last step is left to the end-of-epoch checkpoint."""
+    def _maybe_checkpoint(self, last_in_epoch: bool, decision_step: bool = False) -> None:
+        """Interval checkpoints (every N steps, every N minutes, at ``stop_after_steps``) inside an epoch, and
+        the spot notice's checkpoint; the epoch's last step is left to the end-of-epoch checkpoint.
+
+        Step counts are the same on every rank. A rank's clock and its view of a drain notice are not: they
+        are checked at decision steps (report steps) only and agreed across the group (:func:`agree`), so that
+        every rank checkpoints, or leaves, at the same step."""
         ck, step = self.cfg.checkpoint, self.counters.step
         by_steps = ck.every_steps and step % ck.every_steps == 0
-        by_time = ck.every_minutes and time.time() - self.last_ckpt_time > 60 * ck.every_minutes
         self.stopped = bool(ck.stop_after_steps and step == ck.stop_after_steps)
+        by_time = False
+        if decision_step:
+            due = bool(ck.every_minutes and time.time() - self.last_ckpt_time > 60 * ck.every_minutes)
+            # Ray's preemption info is a collective: every rank asks at the same (decision) steps.
+            notice = self.ctx.preemption_info()
+            by_time, noticed = agree([due, notice is not None and self.notice_seen is None], self.device)
+            if noticed:
+                self.on_preemption(notice if notice is not None else "a drain notice that another rank received")
         if (by_steps or by_time or self.stopped) and not last_in_epoch:
             self.checkpoint("interval", dict(self.metrics, samples_seen=self.counters.samples_seen, step=step))
 
@@ -498,12 +510,6 @@ class Trainer:
             raise CheckpointWriteError(f"checkpoint write failed: {join(self.run_dir, name)} (rank {self.rank}): "
                                        f"{exc}; earlier checkpoints are kept") from exc
         self.last_ckpt_time = time.time()
-
-    def _check_preemption(self) -> None:
-        # A drained node (spot notice) is known to every rank at once: all save the same step.
-        notice = self.ctx.preemption_info()
-        if notice is not None and self.notice_seen is None:
-            self.on_preemption(notice)
 
     def on_preemption(self, notice: Any) -> None:
         """Checkpoint now and leave: steps after this checkpoint would be rolled back anyway, and the new
