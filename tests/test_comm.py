@@ -20,6 +20,7 @@ from app.config import CommConfig, ConfigError, load_config
 from app.train import comm_auto
 from app.train.comm import AUTO_MEASURE_STEPS, CommHook, allgather_bytes, ring_allreduce_bytes
 from app.train.device import pop_unit_events
+from app.train.state import load_rank_state, save_rank_state
 from app.train.topology import Topology, build_groups
 
 WORLD = 4
@@ -378,7 +379,9 @@ def _ddp_worker(rank: int, world: int, folder: str) -> None:
     _train(ddp, opt, x, y, 6)
     saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
              "opt": opt.state_dict(), "comm": hook.state_dict()}
-    saved = torch.load(_roundtrip(saved, folder, rank), weights_only=False)
+    # Through the trainer's own state files, which load with weights_only=True.
+    save_rank_state(os.path.join(folder, "ckpt"), rank, saved, {"samples_seen": 6, "world_size": world})
+    saved = load_rank_state(os.path.join(folder, "ckpt"), rank)
     _train(ddp, opt, x, y, 5)
     out["resume_uninterrupted"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     for with_comm in (True, False):
@@ -404,12 +407,6 @@ def _ddp_worker(rank: int, world: int, folder: str) -> None:
     torch.save(out, os.path.join(folder, f"out{rank}.pt"))
     dist.destroy_process_group()
     os._exit(0)  # skip interpreter teardown: ~20 s per process on a loaded 2-core machine
-
-
-def _roundtrip(obj: dict, folder: str, rank: int) -> str:
-    path = os.path.join(folder, f"ckpt{rank}.pt")
-    torch.save(obj, path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -20,16 +20,19 @@ import torch.distributed as dist
 from app.config import load_config
 from app.data.ingest import IngestSpec, TierShards
 from app.storage import write_bytes
+from app.train.context import LocalContext
 from app.train.state import (
     CHECKPOINT_FORMAT,
     CheckpointFormatError,
     ResumePoint,
     checkpoint_name,
+    choose_and_record_resume,
     load_rank_state,
     save_rank_state,
 )
 from app.train.topology import Topology
 from app.train.trainer import PhaseRun, Trainer
+from tests.devices import lazy_device
 
 LEGACY_COUNTER_KEYS = ["samples_seen", "step", "starts", "device_seconds", "train_seconds", "resizes",
                        "preemption_checkpoints", "world_size", "best_top1"]
@@ -44,8 +47,8 @@ def one_rank_group(tmp_path_factory):
     dist.destroy_process_group()
 
 
-def make_trainer(run_dir, records: list | None = None) -> Trainer:
-    cfg = load_config("smoke", {"optim.ema_decay": 0.9})
+def make_trainer(run_dir, records: list | None = None, **overrides) -> Trainer:
+    cfg = load_config("smoke", {"optim.ema_decay": 0.9, **overrides})
     empty = TierShards(32, "raw", [], [], [])
     spec = IngestSpec(seed=cfg.scaling.seed, local_dir=str(run_dir), train_size=256, phases=[], val=empty,
                       eval_resolution=48, val_crop_ratio=cfg.data.val_crop_ratio)
@@ -120,6 +123,45 @@ def test_restore_at_same_world_size_restores_rng_and_counts_a_restart(tmp_path):
     assert torch.equal(torch.get_rng_state(), saved_rng)
     assert b.counters.starts == 1 and b.counters.resizes == 0 and b.counters.samples_seen == 128
     assert [r["event"] for r in records] == ["start"]
+
+
+def test_restore_reads_the_checkpoint_to_the_cpu_whatever_the_workers_device(tmp_path):
+    """Every resume on a GPU crashed: the files were loaded onto the worker's device, and the comm hook's
+    generator takes only a CPU tensor. The read must not depend on the worker's device: here the trainer's
+    device is torch's lazy device (not the CPU, with real data) while the checkpoint is read; each part then
+    moves what it needs to the device it lives on (the CPU here), and the run continues exactly."""
+    lazy = lazy_device()
+    if lazy is None:
+        pytest.skip("torch's lazy-tensor backend is not available in this torch build")
+    a = make_trainer(tmp_path)
+    train(a, [1, 2])
+    write_checkpoint(a, tmp_path, world_size=1)
+    b = make_trainer(tmp_path)
+    b.device = lazy  # the worker's device, as the checkpoint read sees it
+    b.restore()
+    b.device = torch.device("cpu")
+    train(a, [3])
+    train(b, [3])
+    assert_same_tensors(a.model.state_dict(), b.model.state_dict())
+    assert_same_tensors(a.ema.module.state_dict(), b.ema.module.state_dict())
+
+
+def test_resume_at_the_same_world_size_keeps_the_checkpoints_bucket_size(tmp_path):
+    """The bucket size decides which entries top-k selects from together; measured afresh at each start,
+    it changed the run after a restart. The checkpoint's meta carries it; a start at the same world size
+    uses it (a resize measures again)."""
+    a = make_trainer(tmp_path, **{"comm.bucket_mb": "3.5"})  # a size unlike the one-worker default (25 MB)
+    a.ctx = LocalContext(str(tmp_path), {}, keep=3)
+    train(a, [1, 2])
+    a.checkpoint("interval", {})
+    point = choose_and_record_resume(str(tmp_path))
+    assert json.loads(open(os.path.join(point.checkpoint, "meta_rank0.json")).read())["bucket_mb"] == 3.5
+    b = make_trainer(tmp_path)
+    assert b.bucket_mb == 3.5 and b.bucket_evidence["saved"], b.bucket_evidence
+    assert b.ddp.bucket_bytes_cap == int(3.5 * 1024 * 1024)
+    write_bytes(os.path.join(tmp_path, "resume.json"),
+                ResumePoint(point.checkpoint, point.samples_seen, 2, []).to_json())  # written by two workers
+    assert make_trainer(tmp_path).bucket_mb == 25.0
 
 
 def test_restore_after_resize_keeps_fresh_rng_and_reports_the_resize(tmp_path):

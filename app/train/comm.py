@@ -56,7 +56,15 @@ Momentum-correction velocities use the same storage (per-parameter canonical for
 loaded and dropped on a worker-set change together with the residuals.
 
 Checkpoints: the state is per worker (each worker's residual is its own undelivered gradient), so
-every rank saves its own ``state_dict()`` (e.g. ``comm_rank{rank}.pt``) and loads its own.
+every rank saves its own ``state_dict()`` (e.g. ``comm_rank{rank}.pt``) and loads its own. The state is
+tensors and plain values (PowerSGD's NumPy generator as its key array and counters), so it loads with
+``weights_only=True``; it may be loaded to any device, and ``load_state_dict`` moves each tensor to the
+hook's device (the selection generator's state to the CPU, where ``set_state`` wants it). The state also
+holds DDP's bucket layouts of the last step: a fresh DDP runs its first iteration on its initial buckets
+(all parameters in one, in torch 2.x) and rebuilds them only after it, so the first step after a resume
+reduces that bucket as the saved buckets it is made of (``_replay_parts``), and top-k and PowerSGD select
+over the same entries as without the restart. With the bucket size kept too (``app.train.fusion``), a
+resume at an unchanged layout continues the run uninterrupted exactly, in every mode.
 Worker-count-change policy (``load_state_dict(sd, world_size)``): when the world size, the
 node layout, the rank or the mode differ from the saved ones, the residuals are dropped (they are
 undelivered gradient of workers that may not exist any more, scaled for another world size) and
@@ -72,7 +80,6 @@ sent for the same buckets, so ``bytes_sent / dense_bytes`` is the achieved compr
 
 from __future__ import annotations
 
-import copy
 import itertools
 import math
 import time
@@ -87,6 +94,7 @@ from app.train import comm_auto
 from app.train.compress import SelectionStats, k_for, pack, quantize, scatter_sum, select
 from app.train.device import unit_log
 from app.train.dgc import accumulate_velocity, clip_local, warmup_ratio
+from app.train.state import numpy_rng_from_plain, numpy_rng_to_plain
 from app.train.topology import Topology, build_groups
 
 Layout = list[tuple[str, int]]  # (parameter name, numel) in bucket order
@@ -159,9 +167,10 @@ class SlotStore:
                 out[name] = piece.detach().cpu().clone()
         return out
 
-    def load(self, per_param: dict[str, torch.Tensor]) -> None:
+    def load(self, per_param: dict[str, torch.Tensor], device: torch.device) -> None:
+        """Take saved per-parameter state, wherever it was loaded, onto ``device`` (where the buckets live)."""
         self.clear()
-        self._pending = {k: v.detach().clone() for k, v in per_param.items()}
+        self._pending = {k: v.detach().to(device, copy=True) for k, v in per_param.items()}
 
     def clear(self) -> None:
         self._flat.clear()
@@ -220,6 +229,12 @@ class CommHook:
         self._need_agree = True  # agree on step / forced dense steps at the first bucket (see _agree)
         self._psgd: Any = None
         self._psgd_pending: dict | None = None
+        # DDP's bucket layouts: those of the step running (index -> layout), of the last finished step (saved
+        # in the checkpoint), and, after a resume, the saved ones the first step replays (see _replay_parts).
+        self._layouts_now: dict[int, Layout] = {}
+        self._layouts_done: dict[int, Layout] = {}
+        self._replay: dict[int, Layout] = {}
+        self._replay_noted = False
         # DGC units (app.train.dgc). Momentum correction replaces the optimizer's momentum, which only
         # works for plain SGD (LARS/LAMB scale the update per layer after their own momentum).
         sparse = cfg.mode in ("topk", "hierarchical_topk", "auto")
@@ -431,6 +446,9 @@ class CommHook:
         return self.mode == "dense" or self.step < self.cfg.warmup_steps or self._force_dense > 0
 
     def _end_step(self) -> None:
+        if self._layouts_now:
+            self._layouts_done, self._layouts_now = self._layouts_now, {}
+        self._replay = {}  # one step replays the saved layouts; DDP has rebuilt its buckets by the next
         if self._auto_pending and self._auto_first is not None:
             self._auto_window = self._auto_last - self._auto_first  # backward from the first bucket to the last
             self._auto_first = None
@@ -452,6 +470,24 @@ class CommHook:
             # A layout we cannot map onto parameters (padding, sparse grads): key by bucket index.
             layout = [(f"bucket{bucket.index()}", buf.numel())]
         return layout
+
+    def _replay_parts(self, index: int, layout: Layout) -> list[tuple[int, Layout]] | None:
+        """The saved buckets (index, layout) that bucket ``index`` of this step is made of, when it is not itself
+        a saved one; None when it is, or when the saved buckets do not tile it.
+
+        A fresh DDP runs its first iteration on its initial buckets (one bucket of every parameter, in torch
+        2.x) and rebuilds them in gradient-ready order only after it, so the first step after a resume would
+        select over other entries than the same step of the run uninterrupted. Replaying the saved layout for
+        that step keeps the selection, the residual keys and PowerSGD's per-bucket memories as they were."""
+        if self._replay.get(index) == layout:
+            return None
+        mine = dict(layout)
+        parts = [(i, sub) for i, sub in sorted(self._replay.items())
+                 if sub and all(mine.get(name) == numel for name, numel in sub)]
+        covered = [name for _, sub in parts for name, _ in sub]
+        if len(covered) != len(mine) or set(covered) != set(mine):
+            return None
+        return parts
 
     def aggregate(self, buffer: torch.Tensor, layout: Layout, bucket_index: int = 0,
                   last: bool = True) -> torch.Tensor:
@@ -720,14 +756,14 @@ class CommHook:
             "dense_bytes": self.dense_bytes, "dense_steps": self.dense_steps,
             "compressed_steps": self.compressed_steps, "force_dense": self._force_dense,
             "residuals": self.residuals(), "powersgd": None, "momentum": self.velocities(),
-            "dense_momentum": self._slots["dense_momentum"].per_param(), "selection_rng": self._sel_gen.get_state(),
+            "dense_momentum": self._slots["dense_momentum"].per_param(),
+            "selection_rng": self._sel_gen.get_state().cpu(),
             "auto_choice": self.mode if self.auto and not self._auto_pending else None,
+            "bucket_layouts": {i: [[name, numel] for name, numel in layout]
+                               for i, layout in sorted(self._layouts_done.items())},
         }
         if self._psgd is not None:
-            # The same slots torch's PowerSGDState.__getstate__ saves (all but the process group),
-            # built here to skip its warning on every checkpoint.
-            psgd_state = {k: getattr(self._psgd, k) for k in type(self._psgd).__slots__ if k != "process_group"}
-            sd["powersgd"] = {k: _to_cpu(v) for k, v in psgd_state.items()}
+            sd["powersgd"] = _powersgd_state(self._psgd)
         return sd
 
     def load_state_dict(self, sd: dict, world_size: int) -> None:
@@ -772,23 +808,21 @@ class CommHook:
                                + f"{self._force_dense} dense step(s) next")
             return
         self._force_dense = int(sd.get("force_dense", 0))
-        self._slots["residual"].load(sd["residuals"])
-        self._slots["momentum"].load(sd.get("momentum") or {})
-        self._slots["dense_momentum"].load(sd.get("dense_momentum") or {})
+        self._slots["residual"].load(sd["residuals"], self.device)
+        self._slots["momentum"].load(sd.get("momentum") or {}, self.device)
+        self._slots["dense_momentum"].load(sd.get("dense_momentum") or {}, self.device)
         if sd.get("selection_rng") is not None:
-            self._sel_gen.set_state(sd["selection_rng"])
+            # set_state takes only a CPU byte tensor, also for a CUDA generator.
+            self._sel_gen.set_state(sd["selection_rng"].cpu())
+        self._replay = {int(i): [(str(name), int(numel)) for name, numel in layout]
+                        for i, layout in (sd.get("bucket_layouts") or {}).items()}
+        self._layouts_done = dict(self._replay)
         if self._psgd is not None and sd.get("powersgd"):
-            psgd_state = dict(sd["powersgd"])
-            psgd_state["process_group"] = None
-            dev = self.device
-            for key in ("error_dict", "p_memory_dict", "q_memory_dict"):
-                psgd_state[key] = {i: t.to(dev) for i, t in psgd_state.get(key, {}).items()}
-            for k, v in psgd_state.items():
-                if k in type(self._psgd).__slots__:
-                    setattr(self._psgd, k, v)
-            # A fresh DDP runs its first iteration on its initial (not yet rebuilt) buckets, whose
-            # indices do not match the saved per-bucket memories: run that step dense.
-            self._force_dense = max(self._force_dense, 1)
+            _load_powersgd_state(self._psgd, sd["powersgd"], self.device)
+            if not self._replay:
+                # A checkpoint without bucket layouts (older): a fresh DDP's first iteration runs on its initial
+                # buckets, whose indices do not match the saved per-bucket memories: run that step dense.
+                self._force_dense = max(self._force_dense, 1)
         self._notes.append(f"resumed at step {self.step} with {len(self._slots['residual'])} residual and "
                            f"{len(self._slots['momentum']) + len(self._slots['dense_momentum'])} velocity tensors")
 
@@ -854,25 +888,112 @@ class CommHook:
         return line
 
 
-def _to_cpu(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return v.detach().cpu().clone()
-    if isinstance(v, dict):
-        return {k: _to_cpu(x) for k, x in v.items()}
-    return copy.deepcopy(v)  # e.g. PowerSGD's numpy RandomState, which keeps advancing
+# PowerSGDState slots that are the run's position (the rest come from the config of this start).
+_PSGD_RUNNING = ("iter", "total_numel_before_compression", "total_numel_after_compression", "next_stats_report")
+_PSGD_MEMORIES = ("error_dict", "p_memory_dict", "q_memory_dict")
+
+
+def _powersgd_state(psgd_state: Any) -> dict[str, Any]:
+    """PowerSGD's state as tensors and plain values: its NumPy RandomState as ``numpy_rng_to_plain`` gives it
+    (pickled, it would stop ``weights_only=True`` loading the checkpoint), its per-bucket memories on the CPU."""
+    out: dict[str, Any] = {k: int(getattr(psgd_state, k)) for k in _PSGD_RUNNING}
+    out["matrix_approximation_rank"] = int(psgd_state.matrix_approximation_rank)
+    out["rng"] = numpy_rng_to_plain(psgd_state.rng.get_state())
+    for key in _PSGD_MEMORIES:
+        out[key] = {int(i): t.detach().cpu().clone() for i, t in getattr(psgd_state, key).items()}
+    return out
+
+
+def _load_powersgd_state(psgd_state: Any, saved: dict[str, Any], device: torch.device) -> None:
+    for k in _PSGD_RUNNING:
+        if k in saved:
+            setattr(psgd_state, k, int(saved[k]))
+    rng = saved.get("rng")
+    if isinstance(rng, dict):
+        psgd_state.rng.set_state(numpy_rng_from_plain(rng))
+    elif rng is not None:  # a format-1 checkpoint (loaded with checkpoint.allow_pickle) pickled the RandomState
+        psgd_state.rng.set_state(rng.get_state())
+    keep_pq = int(saved.get("matrix_approximation_rank", psgd_state.matrix_approximation_rank)) == \
+        psgd_state.matrix_approximation_rank  # P and Q have the rank's width; another rank starts them afresh
+    for key in _PSGD_MEMORIES:
+        memories = (saved.get(key) or {}) if key == "error_dict" or keep_pq else {}
+        setattr(psgd_state, key, {int(i): t.to(device, copy=True) for i, t in memories.items()})
+
+
+class _SubBucket:
+    """The part of a DDP bucket that was one bucket of the saved layout, as torch's PowerSGD hook reads it.
+
+    ``views`` are DDP's own gradient views of those parameters, in order: each gradient here has their shape
+    and strides (DDP lays a channels_last gradient out as such in the flat buffer), at its offset in ``buffer``.
+    """
+
+    def __init__(self, index: int, buffer: torch.Tensor, views: list[torch.Tensor], last: bool):
+        self._index, self._buffer, self._last = index, buffer, last
+        offsets = [0, *itertools.accumulate(v.numel() for v in views)]
+        self._grads = [buffer.as_strided(v.size(), v.stride(), buffer.storage_offset() + off)
+                       for v, off in zip(views, offsets)]
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._grads
+
+    def is_last(self) -> bool:
+        return self._last
+
+
+def _replay_bucket(hook: CommHook, bucket: dist.GradBucket, layout: Layout,
+                   parts: list[tuple[int, Layout]]) -> torch.futures.Future:
+    """Reduce a DDP bucket as the saved buckets ``parts`` it is made of, in their order and under their
+    indices, so that a resumed run selects (top-k, PowerSGD) over the same entries as it would have without
+    the restart; synchronous, for one step."""
+    if not hook._replay_noted:
+        hook._replay_noted = True
+        hook._notes.append(f"first step after the resume reduced in the saved bucket layout ({len(hook._replay)} "
+                           f"bucket(s); DDP's bucket {bucket.index()} held {len(parts)})")
+    buf = bucket.buffer()
+    where: dict[str, tuple[int, int]] = {}
+    off = 0
+    for name, numel in layout:
+        where[name] = (off, numel)
+        off += numel
+    views = {name: g for (name, _), g in zip(layout, bucket.gradients())}
+    last = bucket.is_last()
+    for j, (index, sub_layout) in enumerate(parts):
+        sub = torch.cat([buf[where[name][0]:where[name][0] + numel] for name, numel in sub_layout])
+        hook._layouts_now[index] = sub_layout
+        if hook.mode == "powersgd":
+            vb = _SubBucket(index, sub, [views[name] for name, _ in sub_layout], last and j == len(parts) - 1)
+            out = _powersgd(hook, vb).wait()
+        else:
+            out = hook._reduce(sub, sub_layout, index, sync=True)
+        for (name, numel), piece in zip(sub_layout, out.split([numel for _, numel in sub_layout])):
+            buf[where[name][0]:where[name][0] + numel].copy_(piece)
+    return _done(buf)
 
 
 def _ddp_hook(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future:
     """The function DDP calls per bucket; ``hook`` is the CommHook registered as state."""
     t0 = time.perf_counter()
     last = bucket.is_last()
+    layout = hook._layout(bucket)
+    parts = hook._replay_parts(bucket.index(), layout) if hook._replay else None
     if hook.mode == "powersgd":
         if hook._need_agree:
             hook._agree(bucket.buffer().device)
         hook._step_was_dense = hook._psgd.iter < hook._psgd.start_powerSGD_iter  # before the hook advances it
+    if parts is not None:
+        fut = _replay_bucket(hook, bucket, layout, parts)
+    elif hook.mode == "powersgd":
+        hook._layouts_now[bucket.index()] = layout
         fut = _powersgd(hook, bucket)
     else:
-        fut = hook._reduce(bucket.buffer(), hook._layout(bucket), bucket.index(), sync=False)
+        hook._layouts_now[bucket.index()] = layout
+        fut = hook._reduce(bucket.buffer(), layout, bucket.index(), sync=False)
     hook.comm_seconds += time.perf_counter() - t0
     if hook.bucket_timings is not None:
         fut = _stamped(fut, hook.bucket_timings, bucket.index(), t0)
@@ -896,7 +1017,7 @@ _ddp_hook.__annotations__ = {"hook": CommHook, "bucket": dist.GradBucket,
                              "return": torch.futures.Future[torch.Tensor]}
 
 
-def _drop_stale_powersgd_memory(psgd_state: Any, bucket: dist.GradBucket) -> None:
+def _drop_stale_powersgd_memory(psgd_state: Any, bucket: Any) -> None:
     """Forget restored per-bucket PowerSGD memories that do not fit this bucket (bucket sizes changed)."""
     i = bucket.index()
     err = psgd_state.error_dict.get(i)
@@ -905,7 +1026,7 @@ def _drop_stale_powersgd_memory(psgd_state: Any, bucket: dist.GradBucket) -> Non
             d.pop(i, None)
 
 
-def _powersgd(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future:
+def _powersgd(hook: CommHook, bucket: Any) -> torch.futures.Future:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
     psgd_state, world = hook._psgd, hook.world_size

@@ -14,7 +14,9 @@ which is smallest at ``b* = sqrt(S * alpha / beta)``. ``choose_bucket_mb`` measu
 slowest rank's timings, so all ranks choose the same size), fits them by least squares and returns
 ``b*`` clamped to ``[min_mb, gradient size]``, with the measurements as evidence for the log. On a
 25 Gbps cluster of 128 workers alpha is large (2(W-1) network latencies per ring all-reduce) and the
-choice grows; on one machine it shrinks. ``comm.bucket_mb > 0`` pins the size (``pinned_mb``).
+choice grows; on one machine it shrinks. ``comm.bucket_mb > 0`` pins the size (``pinned_mb``); a resume at
+an unchanged world size keeps the size its checkpoint ran with (``saved_mb``), since the bucket layout decides
+which entries top-k selects from together, and a size measured afresh would change the run after a restart.
 """
 
 from __future__ import annotations
@@ -82,13 +84,18 @@ def _time_allreduce(nbytes: int, device: torch.device, group: Any, repeats: int)
 
 
 def choose_bucket_mb(model: torch.nn.Module, world_size: int, device: torch.device,
-                     process_group: Any = None, *, pinned_mb: float = 0.0, max_mb: float = 32.0,  # largest probe
+                     process_group: Any = None, *, pinned_mb: float = 0.0, saved_mb: float = 0.0,
+                     max_mb: float = 32.0,  # largest probe
                      min_mb: float = 1.0, points: int = 5, repeats: int = 3) -> tuple[float, dict]:
-    """(bucket size in MB, evidence). A collective: every rank of ``process_group`` must call it."""
+    """(bucket size in MB, evidence). A collective unless pinned or saved: every rank of ``process_group`` must
+    call it with the same ``pinned_mb`` and ``saved_mb``."""
     grad = gradient_bytes(model)
     evidence: dict[str, Any] = {"grad_mb": round(grad / MB, 3), "world_size": world_size}
     if pinned_mb > 0:
         return float(pinned_mb), dict(evidence, pinned=True, reason="comm.bucket_mb pins the bucket size")
+    if saved_mb > 0:
+        return float(saved_mb), dict(evidence, pinned=False, saved=True,
+                                     reason="kept from the checkpoint (same world size): not measured again")
     if world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
         return TORCH_DEFAULT_MB, dict(evidence, pinned=False,
                                       reason="single worker: nothing to communicate, torch's 25 MB kept")

@@ -12,6 +12,10 @@ State files hold only tensors and plain Python values (dict, list, str, numbers)
 records the format; format 1 (before that rule: NumPy's RNG state was pickled as an array) loads only when
 ``checkpoint.allow_pickle`` says the files are trusted.
 
+State files load to the CPU (``load_rank_state`` takes no device); each part then moves what it needs to the
+device it lives on (the model and optimizer through torch's own ``load_state_dict``, the comm hook its residuals,
+velocities and PowerSGD memories), so a checkpoint written on one kind of device resumes on another.
+
 Every worker-group start resumes from ``select_resume(run_dir)``: Ray Train calls the dataset
 functions (which pick the data position) and then the workers; both read the same choice from
 ``resume.json`` so the model and the data stream always agree.
@@ -25,7 +29,9 @@ import json
 import logging
 import re
 from dataclasses import asdict, dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from app import storage
@@ -154,9 +160,27 @@ def read_recorded_resume(run_dir: str) -> ResumePoint:
         return ResumePoint(None, 0, 0, [])
 
 
-def load_rank_state(folder: str, rank: int, map_location: str | torch.device = "cpu", *,
-                    allow_pickle: bool = False) -> dict:
-    """One rank's state; ``weights_only=True`` unless the folder is format 1 and ``allow_pickle`` trusts it."""
+def load_rank_state(folder: str, rank: int, *, allow_pickle: bool = False) -> dict:
+    """One rank's state, every tensor on the CPU; ``weights_only=True`` unless the folder is format 1 and
+    ``allow_pickle`` trusts it.
+
+    Always the CPU, never the worker's device: a GPU worker's files carry ``cuda:N`` tags that need not exist
+    where they are read, and some consumers take only CPU tensors (a generator's ``set_state``). Each part
+    moves what it needs to its own device when it loads (module docstring)."""
     fmt = check_checkpoint_format(folder, storage.read_json(join(folder, f"meta_rank{rank}.json")), allow_pickle)
     data = read_bytes(join(folder, f"state_rank{rank}.pt"))
-    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=fmt >= CHECKPOINT_FORMAT)
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=fmt >= CHECKPOINT_FORMAT)
+
+
+def numpy_rng_to_plain(state: tuple) -> dict[str, Any]:
+    """NumPy's ``RandomState.get_state()`` tuple as a tensor and plain numbers (a pickled array would stop
+    ``weights_only=True`` loading it)."""
+    kind, keys, pos, has_gauss, gauss = state
+    return {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys).astype(np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)}
+
+
+def numpy_rng_from_plain(d: dict[str, Any]) -> tuple:
+    """The ``set_state`` tuple of ``numpy_rng_to_plain``'s dict (its tensor may sit on any device)."""
+    keys = d["keys"].detach().cpu().numpy().astype(np.uint32)
+    return d["kind"], keys, int(d["pos"]), int(d["has_gauss"]), float(d["cached_gaussian"])

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from app import storage
 from app.config import Config, Phase, config_from_dict
 from app.data import device_decode
 from app.data.ingest import IngestSpec
@@ -42,7 +43,15 @@ from app.train.finetune import HeadWarmup
 from app.train.fusion import choose_bucket_mb
 from app.train.model import build_model, to_device
 from app.train.optim import build_loss, build_optimizer, clip_gradients, set_lr_momentum
-from app.train.state import ResumePoint, checkpoint_name, load_rank_state, read_recorded_resume, save_rank_state
+from app.train.state import (
+    ResumePoint,
+    checkpoint_name,
+    load_rank_state,
+    numpy_rng_from_plain,
+    numpy_rng_to_plain,
+    read_recorded_resume,
+    save_rank_state,
+)
 from app.train.topology import Topology
 
 RANK_KEYS = ("comm", "rng")  # every rank's own part of a checkpoint; the rest is rank 0's replicated state
@@ -110,21 +119,15 @@ def loss_scale(global_batch: int, world: int, rank: int) -> float:
 
 
 def rng_state() -> dict:
-    # NumPy's state as a tensor and plain numbers: a pickled array would stop weights_only=True loading.
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"torch": torch.get_rng_state(),
-            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                      "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)},
+    return {"torch": torch.get_rng_state(), "numpy": numpy_rng_to_plain(np.random.get_state()),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(s: dict) -> None:
-    # Checkpoints load with map_location=device; the CPU generator only takes a CPU byte tensor.
+    # Generators take only CPU byte tensors, whichever device the state was loaded to.
     torch.set_rng_state(s["torch"].cpu())
     n = s["numpy"]
-    if isinstance(n, dict):
-        n = (n["kind"], n["keys"].cpu().numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
-    np.random.set_state(n)  # a tuple as-is: format 1 checkpoints pickled NumPy's own state
+    np.random.set_state(numpy_rng_from_plain(n) if isinstance(n, dict) else n)  # a tuple: format 1 pickled it
     if s.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([t.cpu() for t in s["cuda"]])
 
@@ -182,7 +185,8 @@ class Trainer:
         self.model = to_device(build_model(cfg.model, num_classes), self.device, cfg.model)
         topology = topology or self.ctx.topology()  # after select_device: NCCL's all-reduce uses our GPU
         self.bucket_mb, self.bucket_evidence = choose_bucket_mb(self.model, self.world, self.device,
-                                                                pinned_mb=cfg.comm.bucket_mb)
+                                                                pinned_mb=cfg.comm.bucket_mb,
+                                                                saved_mb=self._saved_bucket_mb())
         self.ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                        bucket_cap_mb=self.bucket_mb, gradient_as_bucket_view=True)
         self.comm = CommHook(cfg.comm, topology, self.device, optimizer=cfg.optim.name,
@@ -190,6 +194,18 @@ class Trainer:
                              timeout_s=cfg.scaling.collective_timeout_s)
         self.comm.install(self.ddp)
         self.forward = dev.maybe_compile(self.ddp, cfg.model, self.device)
+
+    def _saved_bucket_mb(self) -> float:
+        """The DDP bucket size of the checkpoint this start resumes from, when it ran at this world size (else 0).
+
+        The bucket layout decides which entries top-k selects from together, so a size measured afresh (the
+        timings differ from start to start) would change what the run learns after a restart. Every rank
+        reads the same recorded resume point and rank 0's meta, so all skip the measurement (a collective)
+        or none does."""
+        resume = read_recorded_resume(self.run_dir)
+        if not resume.checkpoint or resume.world_size != self.world:
+            return 0.0
+        return float(storage.read_json(join(resume.checkpoint, "meta_rank0.json")).get("bucket_mb", 0.0))
 
     # --- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -218,10 +234,10 @@ class Trainer:
     def _read_checkpoint(self, resume: ResumePoint) -> dict[str, Any]:
         """Rank 0's replicated state plus this rank's own part, as ``load_state_dict`` takes it."""
         trust = self.cfg.checkpoint.allow_pickle
-        shared = load_rank_state(resume.checkpoint, 0, self.device, allow_pickle=trust)
+        shared = load_rank_state(resume.checkpoint, 0, allow_pickle=trust)
         state = {k: v for k, v in shared.items() if k not in RANK_KEYS}
         if self.rank < resume.world_size:  # a rank the checkpointing group did not have has no own part
-            own = load_rank_state(resume.checkpoint, self.rank, self.device, allow_pickle=trust)
+            own = load_rank_state(resume.checkpoint, self.rank, allow_pickle=trust)
             state.update({k: own[k] for k in RANK_KEYS if k in own})
         if resume.world_size != self.world:
             state.pop("rng", None)  # exact replay only holds for the same ranks; a resized group draws afresh
@@ -501,7 +517,7 @@ class Trainer:
         try:
             with tempfile.TemporaryDirectory() as tmp:
                 meta = {"samples_seen": self.counters.samples_seen, "world_size": self.world, "reason": reason,
-                        "time": time.time(), "step": self.counters.step}
+                        "time": time.time(), "step": self.counters.step, "bucket_mb": self.bucket_mb}
                 save_rank_state(tmp, self.rank, self.state_dict(), meta)
                 # The context copies the folder to storage here; a copy that fails part-way raises here too and
                 # leaves a folder whose hashes do not match, which resume skips (app/train/state.py).
