@@ -162,6 +162,9 @@ class Phase:
     batch_size: Int = 0
     min_scale: Float = 0.35
     until: Annotated[Float, Range(0.0, 1.0)] = 0.0
+    # resolution relative to the source's native size (median short side), instead of resolution: 0.75 on
+    # 32 px photos is 24 px; resolved once the data is prepared (app/data/native.py)
+    scale: Annotated[Float, Range(0.0, 8.0)] = 0.0
 
 
 @_section
@@ -276,6 +279,8 @@ class ScheduleConfig:
     )
     eval_resolution: Annotated[Int, Range(0, 2048)] = 0  # 0 = default_eval_resolution (FixRes rule)
     tta_flip: Bool = False
+    # train and test above the source's native size (upscaled images); off: such phases are clipped to it
+    allow_upscale: Bool = False
 
 
 @_section
@@ -637,8 +642,11 @@ def _check_phases(sched: ScheduleConfig) -> None:
         name = "until" if fractions else "until_epoch"
         if end <= prev:
             raise ConfigError(f"{key}.{name}: bad value {end!r}; expected > {prev:g} (phases in order)")
-        if not 8 <= ph.resolution <= 2048:
-            raise ConfigError(f"{key}.resolution: bad value {ph.resolution!r}; expected 8..2048 px")
+        if ph.scale > 0 and ph.resolution:
+            raise ConfigError(f"{key}.scale: give resolution (px) or scale (of the native size), not both")
+        if ph.scale <= 0 and not 8 <= ph.resolution <= 2048:
+            raise ConfigError(f"{key}.resolution: bad value {ph.resolution!r}; expected 8..2048 px (or scale, "
+                              "a fraction of the source's native size)")
         if ph.batch_size < 1:
             raise ConfigError(f"{key}.batch_size: bad value {ph.batch_size!r}; expected >= 1")
         if not 0.0 < ph.min_scale <= 1.0:

@@ -93,6 +93,12 @@ class Manifest:
     def num_samples(self, split: str) -> int:
         return int(self._split(split)["num_samples"])
 
+    @property
+    def native_short_side(self) -> int | None:
+        """The training images' median short side, over every image prepare read (else the probe's estimate;
+        None for a cache built before either was kept)."""
+        return self.data["splits"].get("train", {}).get("native_short_side") or self.data.get("native_probe")
+
     def tiers(self, split: str) -> list[int]:
         return sorted(int(t) for t in self._split(split)["tiers"])
 

@@ -23,6 +23,7 @@ that also runs Train workers is never starved (ray#44687).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -41,7 +42,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from app import storage
-from app.data import images, sources_parquet, sources_webdataset
+from app.data import images, native, sources_parquet, sources_webdataset
 from app.data.manifest import BAD_FILES, MANIFEST, Manifest
 from app.data.mix import SHARD_MIX_SEED, shard_order
 from app.data.shard_cache import default_local_dir
@@ -196,8 +197,11 @@ def build_shard(unit: dict[str, Any]) -> dict[str, Any]:
             storage.write_bytes(f"{out_base}/{name}", blob, fs=out_fs)
             files[str(t)] = {"file": name, "rows": rows, "sha256": hashlib.sha256(blob).hexdigest(),
                              "bytes": len(blob), "format": formats[t]}
+    short_sides: dict[str, int] = {}  # the originals' short sides: the split's native size (app/data/native.py)
+    for h, w in zip(base["orig_height"], base["orig_width"]):
+        short_sides[str(min(h, w))] = short_sides.get(str(min(h, w)), 0) + 1
     sidecar = {"split": split, "index": index, "rows": rows, "listed": listed, "files": files, "bad": bad,
-               "max_label": max(base["label"], default=-1)}
+               "max_label": max(base["label"], default=-1), "short_sides": short_sides}
     # The sidecar goes last: its existence certifies that every file it names was renamed into place whole.
     storage.write_json(f"{out_base}/{PROGRESS_DIR}/{_unit_name(split, index)}.json", sidecar, fs=out_fs)
     return sidecar
@@ -259,6 +263,7 @@ class _Cache:
     # Per ImageFolder split, the listing indices (sample ids) in shard order: unit j of a split covers
     # order[j * shard_rows:(j + 1) * shard_rows]. Filled by _plan_shards.
     orders: dict[str, np.ndarray] = field(default_factory=dict)
+    probed: int | None = None  # the native size the tiers were chosen for (probe_native), when asked
 
 
 def _sizes(fs: pafs.FileSystem, folder: str) -> dict[str, int]:
@@ -454,7 +459,7 @@ def _build_shards(todo: list[dict[str, Any]], done: dict[str, dict[str, Any]], n
 def _write_manifest(cache: _Cache, units: list[dict[str, Any]], done: dict[str, dict[str, Any]], built: int,
                     t0: float) -> None:
     """bad_files.json, then manifest.json: the manifest goes last, so its presence means complete."""
-    man = _manifest(cache.key, cache.listing, cache.params, units, done, cache.tiers, cache.formats)
+    man = _manifest(cache.key, cache.listing, cache.params, units, done, cache.tiers, cache.formats, cache.probed)
     bad = [b for u in units for b in done[_unit_name(u["split"], u["index"])]["bad"]]
     bad.sort(key=lambda b: (b["split"], b["sample_id"]))
     storage.write_json(f"{cache.base}/{BAD_FILES}", bad, fs=cache.fs, indent=1)
@@ -467,11 +472,43 @@ def _write_manifest(cache: _Cache, units: list[dict[str, Any]], done: dict[str, 
                     join(cache.location, BAD_FILES), bad[0]["path"], bad[0]["reason"])
 
 
+def probe_native(listing: SourceListing | RowListing, samples: int = native.PROBE_SAMPLES) -> int | None:
+    """The median short side of ``samples`` evenly spaced training images, from their headers (no decode): what
+    prepare needs to know before it chooses the tiers. None when none could be read."""
+    fs, base = resolve_fs(listing.root)
+    if isinstance(listing, RowListing):
+        module = sources_parquet if listing.kind == "parquet" else sources_webdataset
+        # A tar is read from its start: a few from each of the first tars, not one from every tar.
+        units = module.plan_units(listing, "train", samples, samples)[:8]
+        extra = {"classes": listing.classes, "options": listing.options}
+        streams = [module.iter_samples({**u, **extra, "max_rows": u.get("max_rows") and -(-samples // 8)}, fs, base)
+                   for u in units]
+    else:
+        table = listing.splits["train"].table
+        ids = selected_ids(len(table), samples)
+        cols = table.take(pa.array(ids)).to_pydict()
+        entries = [[int(i), p, int(z), int(lab)] for i, p, z, lab in zip(ids, cols["path"], cols["size"],
+                                                                         cols["label"])]
+        streams = [_samples_now({"entries": entries, "io_threads": 16}, fs, base)]
+    sizes = [s for stream in streams for *_, data, _ in stream if data is not None
+             and (s := native.short_side(data)) is not None]
+    found = native.median(sizes[:samples])
+    log.info("prepare: native size of %s: median short side %s px over %d sampled images", listing.root, found,
+             len(sizes[:samples]))
+    return found
+
+
+def _samples_now(unit: dict[str, Any], fs: pafs.FileSystem, base: str) -> Iterator[tuple]:
+    with _samples(unit, fs, base) as samples:
+        yield from samples
+
+
 def prepare(source: str, cache_root: str, tiers: list[int], *, jpeg_quality: int = 90,
             raw_max_resolution: int = 64, shard_rows: int = 512, limit: dict[str, int] | None = None,
             verify: bool = False, num_cpus: float = 0.5, concurrency: int | None = None, io_threads: int = 8,
             progress: Callable[[int, int], None] | None = None, val_fraction: float = 0.0,
-            val_seed: int = 0) -> pathlib.Path | str:
+            val_seed: int = 0, tiers_at_native: Callable[[int | None], list[int]] | None = None
+            ) -> pathlib.Path | str:
     """Build (or find) the shard cache of ``source`` and return its manifest folder.
 
     ``tiers``: short-side sizes to store. ``limit``: {"train": N, "val": M} takes N evenly spaced samples
@@ -480,12 +517,19 @@ def prepare(source: str, cache_root: str, tiers: list[int], *, jpeg_quality: int
     tasks in flight (default: the cluster's logical CPU count). ``progress(done, total)`` is called on the
     driver after each finished shard. ``val_fraction``/``val_seed``: the hold-out of a source without
     ``val/`` (``app.data.source.hold_out``); it is part of the cache key and recorded in the manifest.
+    ``tiers_at_native``: when given, the tiers come from it, called with the source's native size probed
+    from a sample of image headers (:func:`probe_native`), in place of ``tiers``.
     Returns a ``pathlib.Path`` for a local cache root, the URI string for a remote one.
     """
     t0 = time.perf_counter()
     # every input error surfaces here, before any worker starts; the hold-out applies to ImageFolder trees
     listing = list_source(source, val_fraction, val_seed)
+    probed = None
+    if tiers_at_native is not None:
+        probed = probe_native(listing)
+        tiers = tiers_at_native(probed)
     cache = _plan_cache(listing, cache_root, tiers, jpeg_quality, raw_max_resolution, shard_rows, limit)
+    cache.probed = probed
     sizes = _sizes(cache.fs, cache.base)
     if MANIFEST in sizes and not verify and _manifest_intact(cache, sizes):
         return _as_result(cache.location)
@@ -510,7 +554,8 @@ def prepare(source: str, cache_root: str, tiers: list[int], *, jpeg_quality: int
 
 
 def _manifest(key: str, listing: SourceListing | RowListing, params: dict[str, Any], units: list[dict[str, Any]],
-              done: dict[str, dict[str, Any]], tiers: list[int], formats: dict[int, str]) -> dict[str, Any]:
+              done: dict[str, dict[str, Any]], tiers: list[int], formats: dict[int, str],
+              probed: int | None = None) -> dict[str, Any]:
     splits: dict[str, Any] = {}
     for u in units:  # units are in (split, index) order
         sc = done[_unit_name(u["split"], u["index"])]
@@ -526,13 +571,20 @@ def _manifest(key: str, listing: SourceListing | RowListing, params: dict[str, A
             f = sc["files"][str(t)]
             sp["tiers"][str(t)]["shards"].append(
                 {"file": f["file"], "rows": f["rows"], "sha256": f["sha256"], "bytes": f["bytes"]})
-    for sp in splits.values():
+    for split, sp in splits.items():
         if sp["num_listed"] < 0:  # tar shards: counted while reading
             sp["num_listed"] = sp["num_selected"]
+        hist: dict[int, int] = {}
+        for u in units:
+            if u["split"] == split:
+                for size, n in done[_unit_name(split, u["index"])].get("short_sides", {}).items():
+                    hist[int(size)] = hist.get(int(size), 0) + int(n)
+        sp["native_short_side"] = native.median_of_histogram(hist)  # None for shards built before it was kept
     classes = listing.classes
     if not classes:  # integer labels without names: "0".."max" over every built shard
         classes = [str(i) for i in range(max((sc.get("max_label", -1) for sc in done.values()), default=-1) + 1)]
     return {"key": key, "source": listing.root, "classes": classes, "params": params, "splits": splits,
+            "native_probe": probed,
             "holdout": getattr(listing, "holdout", None), "bad_files": BAD_FILES,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
@@ -570,9 +622,17 @@ def prepare_main(cfg: Config) -> pathlib.Path | str:
         os.makedirs(demo_parent, exist_ok=True)
         source = ensure_demo(demo_parent, cfg.data)
     limit = {"train": cfg.data.limit_train, "val": cfg.data.limit_val}
+
+    def fitted_tiers(native_size: int | None) -> list[int]:
+        # The tiers of the recipe as the run will fit it to this source (app/train/runner.py fits the run's own
+        # config from the manifest, and says what it changed): none is built above the native size.
+        fitted = copy.deepcopy(cfg)
+        native.fit_schedule(fitted, native_size)
+        return tiers_for(fitted)
+
     return prepare(source, cache_root, tiers_for(cfg), jpeg_quality=cfg.data.jpeg_quality,
                    raw_max_resolution=cfg.data.raw_max_resolution, shard_rows=cfg.data.shard_rows,
                    limit={k: v for k, v in limit.items() if v} or None, verify=cfg.data.verify_cache,
                    num_cpus=cfg.data.prepare_cpus_per_task, concurrency=cfg.data.prepare_concurrency or None,
                    io_threads=cfg.data.prepare_io_threads, val_fraction=run_val_fraction(source, cfg.data.val_fraction),
-                   val_seed=cfg.data.val_seed)
+                   val_seed=cfg.data.val_seed, tiers_at_native=None if cfg.data.tiers else fitted_tiers)

@@ -205,11 +205,13 @@ def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, str
         waiting = _check_placement(cfg, use_gpu, started_here, stream or sys.stdout)
         with startup.phase("data_prepare"):
             manifest = Manifest.load(manifest_at or str(prepare_main(cfg)))
+        fit = fit_to_source(cfg, manifest, stream=(stream or sys.stdout) if progress else None)
         spec, sched = build_ingest_spec(cfg, manifest, shared_tiers)
+        spec.event("native_size", fit["message"], native=fit["native_short_side"], changes=fit["changes"])
         known.update(epochs_planned=sched.epochs, use_gpu=use_gpu)
         _tell_guardian(cfg, run_dir, local_run_dir, t0, known)
         setup_start = time.time()
-        _write_run_files(cfg, run_dir, manifest, spec)
+        _write_run_files(cfg, run_dir, manifest, spec, fit)
         _announce_schedule(sched, run_dir, eval_resolution(cfg), stream=(stream or sys.stdout) if progress else None)
         _limit_data_resources(cfg.worker_range()[1] * cfg.scaling.cpus_per_worker)
         if inline:  # the one worker is this process: it writes the log itself
@@ -288,14 +290,32 @@ def _open_run_dir(cfg: Config, resume: bool) -> tuple[str, str]:
     return run_dir, local_run_dir
 
 
-def _write_run_files(cfg: Config, run_dir: str, manifest, spec: IngestSpec) -> None:
+def fit_to_source(cfg: Config, manifest, stream=None) -> dict[str, Any]:
+    """Fit the recipe to the source's native size (app/data/native.py), in place; print what changed and why."""
+    from app.data import native
+
+    size = manifest.native_short_side
+    changes = native.fit_schedule(cfg, size)
+    if size is None:
+        message = "native size unknown (a cache built before prepare recorded it): phases as the recipe gives them"
+    elif changes:
+        message = f"native size {size} px (median short side): " + "; ".join(changes)
+    else:
+        message = f"native size {size} px (median short side): every phase and the eval resolution at or below it"
+    if stream is not None:
+        print(f"lightray: {message}", file=stream, flush=True)
+    return {"native_short_side": size, "changes": changes, "message": message}
+
+
+def _write_run_files(cfg: Config, run_dir: str, manifest, spec: IngestSpec, fit: dict[str, Any]) -> None:
     """config.yaml, classes.json and data.json: what the run trains, on what data."""
     write_bytes(join(run_dir, "config.yaml"), yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode())
     write_bytes(join(run_dir, "classes.json"), json.dumps(list(manifest.classes)).encode())
     write_bytes(join(run_dir, "data.json"), json.dumps(
         {"manifest": str(manifest.location), "train_samples": spec.train_size, "val_samples": sum(spec.val.rows),
          "phase_tiers": [p.shards.tier for p in spec.phases], "val_tier": spec.val.tier,
-         "holdout": manifest.data.get("holdout")}).encode())
+         "holdout": manifest.data.get("holdout"), "native_short_side": fit["native_short_side"],
+         "fitted_to_native": fit["changes"]}).encode())
 
 
 def _announce_schedule(sched: Schedule, run_dir: str, eval_res: int, stream=None) -> None:
