@@ -7,6 +7,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -83,3 +84,52 @@ def test_train_only_imagefolder_trains_through_a_smoke_run(tmp_path):
     assert recorded["val_samples"] == 12
     manifest = json.loads((pathlib.Path(recorded["manifest"]) / "manifest.json").read_text())
     assert manifest["holdout"] == recorded["holdout"]  # the cache, resume and eval read the same split
+
+
+# --- container sources: Parquet rows (stratified, by row path) and WebDataset keys (per row, by key path) -------
+def test_parquet_holdout_is_stratified_disjoint_seeded_and_keyed(tmp_path):
+    from app.data.sources import list_source
+    from app.data.sources_parquet import plan_units
+    from tests.test_source_order import make_hf_parquet
+
+    make_hf_parquet(tmp_path / "pq", per_class=40, sort=True, files=2, val_per_class=0)
+    for p in (tmp_path / "pq" / "data").glob("validation-*"):
+        p.unlink()
+    a, b = list_source(str(tmp_path / "pq"), 0.25, 1), list_source(str(tmp_path / "pq"), 0.25, 2)
+    val, train = a.picked["val"], a.picked["train"]
+    assert len(val) == 30 and len(train) == 90 and not set(val) & set(train)
+    assert a.holdout["train_val_per_class"] == {"ant": [30, 10], "bee": [30, 10], "cow": [30, 10]}
+    assert not np.array_equal(val, b.picked["val"])  # the seed decides which rows
+    assert np.array_equal(val, list_source(str(tmp_path / "pq"), 0.25, 1).picked["val"])
+    assert a.fingerprint() != b.fingerprint() != list_source(str(tmp_path / "pq")).fingerprint()
+    rows = {(p["file_index"], r) for u in plan_units(a, "val", 0, 8) for p in u.get("parts", [u])
+            for r in (range(*p["range"]) if "range" in p else p["take"])}
+    assert rows == {(int(i >= 60), int(i % 60)) for i in val}  # the val split reads exactly the held-out rows
+
+
+def test_parquet_holdout_with_a_validation_split_is_an_error_only_when_asked_for(tmp_path):
+    from app.data.sources import list_source
+    from tests.test_source_order import make_hf_parquet
+
+    make_hf_parquet(tmp_path / "pq", per_class=10, sort=False)
+    with pytest.raises(DataError, match=r"has a validation split, so data.val_fraction=0.2 has nothing to do"):
+        list_source(str(tmp_path / "pq"), 0.2, 0)
+    listing = list_source(str(tmp_path / "pq"), 0.1, 0, explicit=False)  # a run's default: the split is used
+    assert listing.holdout is None and listing.num_files("val") == 60
+
+
+def test_webdataset_holdout_takes_each_key_to_one_side(tmp_path, ray_local):
+    import pyarrow.parquet as pq
+
+    from app.data.manifest import Manifest
+    from app.data.prepare import prepare
+    from tests.test_sources import make_webdataset
+
+    make_webdataset(tmp_path / "wds", per_tar=40)
+    for p in (tmp_path / "wds").glob("val-*"):
+        p.unlink()
+    man = Manifest.load(str(prepare(str(tmp_path / "wds"), str(tmp_path / "cache"), [32], val_fraction=0.25)))
+    ids = {s: {i for sh in man.shards(s, 32) for i in pq.read_table(sh.uri)["sample_id"].to_pylist()}
+           for s in ("train", "val")}
+    assert not ids["train"] & ids["val"] and len(ids["train"] | ids["val"]) == 79  # 80 keys, one an error page
+    assert 8 <= len(ids["val"]) <= 32 and man.data["holdout"]["val_fraction"] == 0.25

@@ -507,8 +507,8 @@ def prepare(source: str, cache_root: str, tiers: list[int], *, jpeg_quality: int
             raw_max_resolution: int = 64, shard_rows: int = 512, limit: dict[str, int] | None = None,
             verify: bool = False, num_cpus: float = 0.5, concurrency: int | None = None, io_threads: int = 8,
             progress: Callable[[int, int], None] | None = None, val_fraction: float = 0.0,
-            val_seed: int = 0, tiers_at_native: Callable[[int | None], list[int]] | None = None
-            ) -> pathlib.Path | str:
+            val_seed: int = 0, tiers_at_native: Callable[[int | None], list[int]] | None = None,
+            val_fraction_explicit: bool = True) -> pathlib.Path | str:
     """Build (or find) the shard cache of ``source`` and return its manifest folder.
 
     ``tiers``: short-side sizes to store. ``limit``: {"train": N, "val": M} takes N evenly spaced samples
@@ -523,7 +523,7 @@ def prepare(source: str, cache_root: str, tiers: list[int], *, jpeg_quality: int
     """
     t0 = time.perf_counter()
     # every input error surfaces here, before any worker starts; the hold-out applies to ImageFolder trees
-    listing = list_source(source, val_fraction, val_seed)
+    listing = list_source(source, val_fraction, val_seed, val_fraction_explicit)
     probed = None
     if tiers_at_native is not None:
         probed = probe_native(listing)
@@ -635,4 +635,5 @@ def prepare_main(cfg: Config) -> pathlib.Path | str:
                    limit={k: v for k, v in limit.items() if v} or None, verify=cfg.data.verify_cache,
                    num_cpus=cfg.data.prepare_cpus_per_task, concurrency=cfg.data.prepare_concurrency or None,
                    io_threads=cfg.data.prepare_io_threads, val_fraction=run_val_fraction(source, cfg.data.val_fraction),
-                   val_seed=cfg.data.val_seed, tiers_at_native=None if cfg.data.tiers else fitted_tiers)
+                   val_seed=cfg.data.val_seed, tiers_at_native=None if cfg.data.tiers else fitted_tiers,
+                   val_fraction_explicit=cfg.data.val_fraction > 0)

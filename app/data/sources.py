@@ -8,14 +8,16 @@ from app.data.source import SourceListing, detect_kind, list_imagefolder, resolv
 from app.data.sources_rows import RowListing
 
 
-def list_source(root: str, val_fraction: float = 0.0, val_seed: int = 0) -> SourceListing | RowListing:
+def list_source(root: str, val_fraction: float = 0.0, val_seed: int = 0,
+                explicit: bool = True) -> SourceListing | RowListing:
     """The listing of ``root``: ``SourceListing`` for an ImageFolder tree, ``RowListing`` for Parquet files
     or WebDataset tar shards. Every input error is a DataError naming the path. ``val_fraction``/``val_seed``:
-    the hold-out of an ImageFolder tree without val/ (container sources name their splits in file names)."""
+    the hold-out of a source without a validation split; ``explicit`` False (a run's default fraction, not the
+    user's) lets a container source with validation files use them without complaint."""
     kind = detect_kind(root)
     if kind == "imagefolder":
         return list_imagefolder(root, val_fraction, val_seed)
     norm = storage.normalise(root)
     fs, base = resolve_fs(norm)
     lister = sources_parquet.list_parquet if kind == "parquet" else sources_webdataset.list_webdataset
-    return lister(norm, base, fs)
+    return lister(norm, base, fs, val_fraction, val_seed, explicit)

@@ -10,6 +10,7 @@ else ``"0".."max"`` for integer labels. Work units are row ranges of one file, s
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from app.data.sources_rows import (
     RowListing,
     list_containers,
     need_splits,
+    no_split_for_fraction,
     read_classes_json,
     row_path,
     sample_id,
@@ -80,8 +82,11 @@ def _hf_names(schema: pa.Schema, label_col: str) -> list[str] | None:
     return [str(n) for n in names] if names else None
 
 
-def list_parquet(root: str, base: str, fs: pafs.FileSystem) -> RowListing:
-    """List a Parquet source (``root`` normalised, ``base`` its path inside ``fs``)."""
+def list_parquet(root: str, base: str, fs: pafs.FileSystem, val_fraction: float = 0.0, seed: int = 0,
+                 explicit: bool = True) -> RowListing:
+    """List a Parquet source (``root`` normalised, ``base`` its path inside ``fs``). ``val_fraction`` > 0 on a
+    source without a validation split holds that fraction of each class out of train (:func:`hold_out`);
+    ``explicit`` False (the run's default fraction) lets a source with a validation split use it silently."""
     found = list_containers(root, base, fs, (".parquet",))
     need_splits(root, found, "Parquet files")
     files = [(split, f) for split in sorted(found) for f in found[split]]
@@ -125,6 +130,12 @@ def list_parquet(root: str, base: str, fs: pafs.FileSystem) -> RowListing:
         raise _error(f"{first}: no labels in column {label_col!r}; expected class labels")
     train_labels = _label_codes([cols[x] for x in files if x[0] == "train"], classes)
     opts = {"image_col": image_col, "label_col": label_col, "label_kind": label_kind}
+    listing = RowListing(root=root, kind="parquet", classes=classes, splits=splits, options=opts)
+    if val_fraction > 0 and "val" in splits:
+        no_split_for_fraction(root, val_fraction, explicit)
+    elif val_fraction > 0:
+        hold_out(listing, train_labels, val_fraction, seed)
+        train_labels = train_labels[listing.picked["train"]]
     score = mix.clustering(train_labels)
     if score > mix.LIMIT:
         # Part of the listing's fingerprint, so a cache built from row ranges is never reused for the mix.
@@ -133,7 +144,36 @@ def list_parquet(root: str, base: str, fs: pafs.FileSystem) -> RowListing:
                     "deviations from fair samples); prepare mixes them across shards, reading each file's row "
                     "groups for many shards (a source written shuffled is read once, in order)", root,
                     mix.check_rows(len(train_labels)), score)
-    return RowListing(root=root, kind="parquet", classes=classes, splits=splits, options=opts)
+    return listing
+
+
+def hold_out(listing: RowListing, labels: np.ndarray, fraction: float, seed: int) -> None:
+    """Move round(fraction * n) rows of every train class (n rows) into a ``val`` split, in place: the first of
+    the class's rows ordered by sha256(seed, row path), as an ImageFolder hold-out orders its files, so the
+    split depends on the seed and the rows' places alone. Raises DataError naming the class when its hold-out
+    would be empty or take every row."""
+    if not 0.0 < fraction < 1.0:
+        raise _error(f"data.val_fraction: bad value {fraction!r}; expected a fraction in (0, 1)")
+    files = listing.splits["train"]
+    starts = np.concatenate([[0], np.cumsum([f.num_rows for f in files])]).astype(np.int64)
+    val_parts, per_class = [], {}
+    for c in np.unique(labels[labels >= 0]).tolist():
+        rows = np.flatnonzero(labels == c)
+        n, name, k = len(rows), listing.classes[c], int(len(rows) * fraction + 0.5)
+        if n < 2 or not 0 < k < n:
+            raise _error(f"{listing.root}: class {name!r} has {n} row(s); a {fraction:g} hold-out would take {k} "
+                         "of them (the source has no validation split); expected more rows per class, a larger "
+                         "data.val_fraction, or a validation split")
+        fidx = np.searchsorted(starts, rows, side="right") - 1
+        keys = [hashlib.sha256(f"{seed}\0{row_path(files[fi].path, r - starts[fi])}".encode()).digest()
+                for fi, r in zip(fidx.tolist(), rows.tolist())]
+        val_parts.append(rows[sorted(range(n), key=keys.__getitem__)[:k]])
+        per_class[name] = [n - k, k]
+    val = np.sort(np.concatenate(val_parts)) if val_parts else np.zeros(0, np.int64)
+    listing.picked = {"val": val, "train": np.setdiff1d(np.arange(len(labels), dtype=np.int64), val)}
+    listing.splits["val"] = list(files)  # the held-out rows live in the train files
+    listing.holdout = {"from": "train", "val_fraction": float(fraction), "seed": int(seed),
+                       "train_val_per_class": per_class}
 
 
 def _label_codes(columns: list[pa.ChunkedArray], classes: list[str]) -> np.ndarray:
@@ -154,10 +194,9 @@ def plan_units(listing: RowListing, split: str, limit: int, shard_rows: int) -> 
     so that each shard is a fair sample; each unit then reads its rows from every file that holds them.
     Otherwise a unit is a row range of one file, read in order."""
     files = listing.splits[split]
-    total = sum(f.num_rows for f in files)
     starts = np.concatenate([[0], np.cumsum([f.num_rows for f in files])]).astype(np.int64)
-    picked = (np.arange(limit, dtype=np.int64) * total // limit) if limit and limit < total else \
-        np.arange(total, dtype=np.int64)
+    rows = listing.picked[split] if split in listing.picked else np.arange(starts[-1], dtype=np.int64)
+    picked = rows[np.arange(limit, dtype=np.int64) * len(rows) // limit] if limit and limit < len(rows) else rows
     mixed = split in listing.options.get("mixed_splits", [])
     if mixed:
         picked = picked[mix.shard_order(len(picked), split)]

@@ -43,11 +43,17 @@ class RowListing:
     classes: list[str]  # [] = derived from the labels once the shards are built (int labels, no names)
     splits: dict[str, list[RowFile]] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)  # column names, label kind: part of the key
+    # A hold-out drawn from train (a source without a validation split): how, and per split the rows taken,
+    # as indices into the train files' rows back to back (the val split lists the train files).
+    holdout: dict | None = None
+    picked: dict[str, Any] = field(default_factory=dict)
 
     def fingerprint(self) -> str:
         h = hashlib.sha256()
         h.update(f"root\0{self.root}\nkind\0{self.kind}\nclasses\0{chr(0).join(self.classes)}\n".encode())
         h.update(repr(sorted(self.options.items())).encode())
+        if self.holdout is not None:
+            h.update(f"holdout\0{self.holdout['val_fraction']!r}\0{self.holdout['seed']}\n".encode())
         for split in sorted(self.splits):
             for f in self.splits[split]:
                 h.update(f"{split}\0{f.path}\0{f.size}\0{f.mtime_ns}\0{f.num_rows}\n".encode())
@@ -56,6 +62,8 @@ class RowListing:
     def num_files(self, split: str) -> int:
         """Samples listed in ``split`` (rows), or -1 when a file's row count is only known after reading."""
         rows = [f.num_rows for f in self.splits.get(split, [])]
+        if split in self.picked:
+            return len(self.picked[split])
         return -1 if any(n < 0 for n in rows) else sum(rows)
 
 
@@ -112,6 +120,20 @@ def need_splits(root: str, found: dict[str, list[RowFile]], what: str) -> None:
     if "train" not in found:
         raise DataError(f"{root}: no train {what}; expected train/ and val/ folders or file names starting "
                         f"with train- / validation- (found splits: {', '.join(sorted(found)) or 'none'})")
+
+
+def held_out(seed: int, path: str, fraction: float) -> bool:
+    """Whether the row at ``path`` is in a hash hold-out of ``fraction``: depends on the seed and the row's
+    path alone (for tars, whose rows are known only once read)."""
+    digest = hashlib.sha256(f"{seed}\0{path}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") < fraction * 2.0**64
+
+
+def no_split_for_fraction(root: str, fraction: float, explicit: bool) -> None:
+    """A source that has a validation split takes no hold-out: an error when the user asked for one."""
+    if explicit:
+        raise DataError(f"{root}: the source has a validation split, so data.val_fraction={fraction} has nothing "
+                        "to do; expected data.val_fraction=0 (use the split) or a source without one")
 
 
 def class_index(classes: list[str]) -> dict[str, int]:

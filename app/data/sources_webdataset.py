@@ -17,7 +17,16 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from app.data.source import DataError
-from app.data.sources_rows import RowListing, list_containers, need_splits, read_classes_json, row_path, sample_id
+from app.data.sources_rows import (
+    RowListing,
+    held_out,
+    list_containers,
+    need_splits,
+    no_split_for_fraction,
+    read_classes_json,
+    row_path,
+    sample_id,
+)
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 LABEL_EXTS = ("cls", "txt")
@@ -63,7 +72,11 @@ def _label_kind(fs: pafs.FileSystem, path: str) -> str:
     return "cls"
 
 
-def list_webdataset(root: str, base: str, fs: pafs.FileSystem) -> RowListing:
+def list_webdataset(root: str, base: str, fs: pafs.FileSystem, val_fraction: float = 0.0, seed: int = 0,
+                    explicit: bool = True) -> RowListing:
+    """List tar shards. ``val_fraction`` > 0 on a source without val tars holds out each key whose
+    sha256(seed, path) falls in that fraction (rows are only known once read, so the hold-out is decided per
+    row while reading, and is not stratified by class); ``explicit`` as for Parquet sources."""
     found = list_containers(root, base, fs, (".tar",))
     need_splits(root, found, "tar shards")
     first = found["train"][0].path
@@ -72,8 +85,17 @@ def list_webdataset(root: str, base: str, fs: pafs.FileSystem) -> RowListing:
     if classes is None and kind == "txt":
         raise _error(f"{root}/{first}: labels are class names (.txt) but there is no classes.json beside the "
                      "shards; expected classes.json listing the class names (index = label)")
-    return RowListing(root=root, kind="webdataset", classes=classes or [], splits=found,
-                      options={"label_field": kind})
+    listing = RowListing(root=root, kind="webdataset", classes=classes or [], splits=found,
+                         options={"label_field": kind})
+    if val_fraction > 0 and "val" in found:
+        no_split_for_fraction(root, val_fraction, explicit)
+    elif val_fraction > 0:
+        if not 0.0 < val_fraction < 1.0:
+            raise _error(f"data.val_fraction: bad value {val_fraction!r}; expected a fraction in (0, 1)")
+        found["val"] = list(found["train"])
+        listing.holdout = {"from": "train", "val_fraction": float(val_fraction), "seed": int(seed),
+                           "by": "sha256(seed, key path) per row"}
+    return listing
 
 
 def plan_units(listing: RowListing, split: str, limit: int, shard_rows: int) -> list[dict[str, Any]]:
@@ -81,7 +103,9 @@ def plan_units(listing: RowListing, split: str, limit: int, shard_rows: int) -> 
     unknown before reading; shards are conventionally shuffled when written)."""
     files = listing.splits[split]
     per_file = -(-limit // len(files)) if limit else 0
-    return [{"file": f.path, "file_index": fi, "listed": -1, "max_rows": per_file} for fi, f in enumerate(files)]
+    keep = {"holdout": {**listing.holdout, "keep": split}} if listing.holdout else {}
+    return [{"file": f.path, "file_index": fi, "listed": -1, "max_rows": per_file, **keep}
+            for fi, f in enumerate(files)]
 
 
 def iter_samples(unit: dict[str, Any], fs: pafs.FileSystem, base: str
@@ -90,6 +114,7 @@ def iter_samples(unit: dict[str, Any], fs: pafs.FileSystem, base: str
     classes = unit["classes"]
     index = {c: i for i, c in enumerate(classes)}
     rel, max_rows = unit["file"], int(unit.get("max_rows") or 0)
+    hold = unit.get("holdout")
     row = 0
     with fs.open_input_stream(f"{base}/{rel}") as stream:
         groups = _groups(stream)
@@ -105,6 +130,8 @@ def iter_samples(unit: dict[str, Any], fs: pafs.FileSystem, base: str
             key, fields = item
             sid, path = sample_id(unit["file_index"], row), row_path(rel, key)
             row += 1
+            if hold and held_out(hold["seed"], path, hold["val_fraction"]) != (hold["keep"] == "val"):
+                continue  # the other side of the hold-out
             data = next((fields[e] for e in IMAGE_EXTS if e in fields), None)
             label, reason = _label(fields, index, classes)
             if data is None:
