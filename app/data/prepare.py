@@ -42,7 +42,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from app import storage
-from app.data import images, native, sources_parquet, sources_webdataset
+from app.data import images, mix, native, remix, sources_parquet, sources_webdataset
 from app.data.manifest import BAD_FILES, MANIFEST, Manifest
 from app.data.mix import SHARD_MIX_SEED, shard_order
 from app.data.shard_cache import default_local_dir
@@ -201,7 +201,8 @@ def build_shard(unit: dict[str, Any]) -> dict[str, Any]:
     for h, w in zip(base["orig_height"], base["orig_width"]):
         short_sides[str(min(h, w))] = short_sides.get(str(min(h, w)), 0) + 1
     sidecar = {"split": split, "index": index, "rows": rows, "listed": listed, "files": files, "bad": bad,
-               "max_label": max(base["label"], default=-1), "short_sides": short_sides}
+               "max_label": max(base["label"], default=-1), "short_sides": short_sides,
+               "label_counts": remix.label_counts(base["label"])}
     # The sidecar goes last: its existence certifies that every file it names was renamed into place whole.
     storage.write_json(f"{out_base}/{PROGRESS_DIR}/{_unit_name(split, index)}.json", sidecar, fs=out_fs)
     return sidecar
@@ -456,6 +457,37 @@ def _build_shards(todo: list[dict[str, Any]], done: dict[str, dict[str, Any]], n
     return built
 
 
+def _remix_clustered(cache: _Cache, units: list[dict[str, Any]], done: dict[str, dict[str, Any]], shard_rows: int,
+                     num_cpus: float, concurrency: int | None) -> tuple[list[dict[str, Any]], dict[str, dict]]:
+    """Tar shards clustered by class are cut again into shards of a seeded mix (``app.data.remix``); returns the
+    units and sidecars the manifest lists (the remixed train shards carry the first pass's bad files)."""
+    if not (isinstance(cache.listing, RowListing) and cache.listing.kind == "webdataset"):
+        return units, done
+    first = [done[_unit_name("train", u["index"])] for u in units if u["split"] == "train"]
+    score = remix.clustered_shards(first)
+    if score <= mix.LIMIT:
+        return units, done
+    mixed = remix.plan(first, shard_rows)
+    log.warning("prepare: the train tars of %s are clustered by class (their shards are %.0f standard deviations "
+                "from fair samples); cutting their %d rows again into %d shards of a seeded mix (reads up to %d "
+                "first-pass shards per shard)", cache.listing.root, score, sum(sc["rows"] for sc in first),
+                len(mixed), len(first))
+    import ray
+
+    if not ray.is_initialized():
+        ray.init()
+    built = remix.run(mixed, cache.location, num_cpus, concurrency or max(1, int(ray.cluster_resources()["CPU"])))
+    out = {k: v for k, v in done.items() if not k.startswith("train-")}
+    for u in mixed:
+        out[_unit_name("train", u["index"])] = dict(built[remix.unit_name("train", u["index"])])
+    bad = [b for sc in first for b in sc["bad"]]
+    if mixed and bad:  # the first pass's bad files, listed once
+        head = out[_unit_name("train", 0)]
+        out[_unit_name("train", 0)] = {**head, "bad": bad, "listed": head["listed"] + len(bad)}
+    new_units = [u for u in units if u["split"] != "train"] + [{"split": "train", "index": u["index"]} for u in mixed]
+    return sorted(new_units, key=lambda u: (u["split"], u["index"])), out
+
+
 def _write_manifest(cache: _Cache, units: list[dict[str, Any]], done: dict[str, dict[str, Any]], built: int,
                     t0: float) -> None:
     """bad_files.json, then manifest.json: the manifest goes last, so its presence means complete."""
@@ -549,6 +581,7 @@ def prepare(source: str, cache_root: str, tiers: list[int], *, jpeg_quality: int
         log.info("prepare: building %s: %d shards x %d tiers %s from %s", cache.location, len(units),
                  len(cache.tiers), cache.tiers, listing.root)
     built = _build_shards(todo, done, num_cpus, concurrency, progress, t0, cache)
+    units, done = _remix_clustered(cache, units, done, shard_rows, num_cpus, concurrency)
     _write_manifest(cache, units, done, built, t0)
     return _as_result(cache.location)
 
