@@ -215,6 +215,16 @@ def folder_items(data: str, classes: list[str], transform: EvalTransform) -> lis
             for d in subdirs for f in _list_files(storage.join(root, d))]
 
 
+def source_items(data: str, classes: list[str], transform: EvalTransform) -> list[Item]:
+    """Labelled images of any source kind training takes (app/eval_data.py): class folders, Parquet or tars."""
+    from app.data.source import detect_kind
+    from app.eval_data import row_items
+
+    if detect_kind(data) == "imagefolder":
+        return folder_items(data, classes, transform)
+    return row_items(data, classes, Item, transform.load)
+
+
 def run_val_items(folder: str, info: dict[str, Any]) -> list[Item]:
     """The run's own val split, read from the shard cache it trained from (data.json names it)."""
     from app.data.manifest import Manifest
@@ -282,7 +292,7 @@ def evaluate_folder(run: str, data: str | None = None, weights: str = "best", de
     write eval.json (default ``<run>/eval.json``; "" = do not write)."""
     loaded = open_model(run, weights, device)
     items = run_val_items(loaded.folder, loaded.info) if data is None else \
-        folder_items(data, loaded.classes, loaded.transform)
+        source_items(data, loaded.classes, loaded.transform)
     k = min(5, len(loaded.classes))
     per_n = np.zeros(len(loaded.classes), np.int64)
     per_hit = np.zeros(len(loaded.classes), np.int64)

@@ -11,8 +11,9 @@ def eval_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lightray eval", description="Score a run's exported model on labelled "
                                 "images: top-1, top-5 and per-class accuracy; writes eval.json.")
     p.add_argument("run", metavar="RUN", help="a run folder (or its model/ folder), local or s3://")
-    p.add_argument("--data", metavar="PATH", help="labelled images: PATH/val/<class>/* or PATH/<class>/* "
-                   "(default: the run's own val split, from its shard cache)")
+    p.add_argument("--data", metavar="PATH", help="labelled images, local or s3://: PATH/val/<class>/* or "
+                   "PATH/<class>/*, or Parquet files / WebDataset tars (their validation files, else every file "
+                   "under PATH) (default: the run's own val split, from its shard cache)")
     p.add_argument("--weights", choices=["best", "final"], default="best", help="which export (default best)")
     p.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda, cuda:1, ...")
     p.add_argument("--batch-size", type=int, default=64, help="images per forward pass (default 64)")

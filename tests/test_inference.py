@@ -124,3 +124,47 @@ def test_rect_transform_keeps_the_aspect_and_centre_crops_a_square():
     assert tuple(center(img).shape) == (3, 32, 32)
     x = center(img)
     assert abs(float(x.mean())) < 1.5  # normalised, not raw 0..255
+
+
+def _val_rows(run_dir: pathlib.Path) -> tuple[list[bytes], list[str]]:
+    root, rel = val_source_files(run_dir)
+    return [(root / r).read_bytes() for r in rel], [r.split("/")[-2] for r in rel]
+
+
+def test_eval_takes_the_val_split_as_parquet_or_tars_local_or_on_s3(run_dir, tmp_path, s3_storage):
+    import io
+    import tarfile
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.test_s3_data import upload
+
+    blobs, names = _val_rows(run_dir)
+    classes = json.loads((run_dir / "classes.json").read_text())
+    order = np.random.default_rng(0).permutation(len(blobs))  # a held-out split in its own row order
+    # Hugging Face layout: test-*.parquet (a split name training does not take), ClassLabel names in the schema.
+    meta = {b"huggingface": json.dumps({"info": {"features": {"label": {"names": classes,
+                                                                         "_type": "ClassLabel"}}}}).encode()}
+    table = pa.table({"image": pa.array([{"bytes": blobs[i], "path": f"{i}.jpg"} for i in order],
+                                        pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
+                      "label": pa.array([classes.index(names[i]) for i in order], pa.int64())})
+    (tmp_path / "pq").mkdir()
+    pq.write_table(table.replace_schema_metadata(meta), tmp_path / "pq" / "test-00000-of-00001.parquet")
+    (tmp_path / "wds").mkdir()
+    with tarfile.open(tmp_path / "wds" / "test-00000.tar", "w") as tar:  # string labels (.txt) + classes.json
+        for k, i in enumerate(order):
+            for ext, data in (("jpg", blobs[i]), ("txt", names[i].encode())):
+                info = tarfile.TarInfo(f"{k:05d}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    (tmp_path / "wds" / "classes.json").write_text(json.dumps(classes))
+    from_cache = evaluate_folder(str(run_dir), weights="best", device="cpu", out="")
+    on_s3 = upload(tmp_path / "pq", s3_storage.replace("/runs?", "/evalpq?"))
+    for data in (str(tmp_path / "pq"), str(tmp_path / "wds"), on_s3):
+        res = evaluate_folder(str(run_dir), data=data, weights="best", device="cpu", out="")
+        assert res["images"] == 64 and res["top1"] == from_cache["top1"], data
+        assert sum(v["images"] for v in res["per_class"].values()) == 64
+    (tmp_path / "wds" / "classes.json").write_text(json.dumps(["x", "y"]))
+    proc = cli("eval", str(run_dir), "--data", str(tmp_path / "wds"))
+    assert proc.returncode == 2 and "not among the model's classes" in proc.stderr
