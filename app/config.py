@@ -221,6 +221,9 @@ class DataConfig:
 class ModelConfig:
     # resnet_tiny | any torchvision classification model (resnet50, convnext_tiny) | timm:<name>; checked by check_arch
     arch: Str = "resnet_tiny"
+    # channel widths of lightray's own networks, one per stage ([] = the arch's own: resnet_tiny 32/64/128,
+    # cifar_vgg 64/256/256)
+    widths: Annotated[list[Int], BeforeValidator(_yaml_list)] = field(default_factory=list)
     # Start from these weights: a .safetensors / torch state-dict file, a lightray run folder (its
     # model/best.safetensors), or a hub name (timm:<name> or a torchvision model; needs the network).
     pretrained: Str = ""
@@ -581,7 +584,8 @@ def key_type(dotted: str) -> Any:
 
 
 # --- architecture names: checked here so that a bad name fails at load time, before any worker starts ------
-ARCHS = ("resnet_tiny", "resnet18", "resnet34", "resnet50")  # the ones the recipes use; any other name works too
+# the ones the recipes use; any other name works too
+ARCHS = ("resnet_tiny", "cifar_vgg", "resnet18", "resnet34", "resnet50")
 TIMM_PREFIX = "timm:"
 
 
@@ -602,7 +606,7 @@ def timm_archs() -> tuple[str, ...]:
 
 def check_arch(arch: str) -> str:
     """``arch``'s family (``lightray``, ``torchvision`` or ``timm``); ConfigError with close matches otherwise."""
-    if arch == "resnet_tiny":
+    if arch in ("resnet_tiny", "cifar_vgg"):
         return "lightray"
     if arch.startswith(TIMM_PREFIX):
         name = arch[len(TIMM_PREFIX):]

@@ -1,4 +1,5 @@
-"""Time to the same top-1 on the demo dataset: lightray's demo recipe against the same recipe in plain PyTorch.
+"""Time to the same top-1: lightray's recipe against the same recipe in plain PyTorch, on the demo dataset or on
+CIFAR-10's real photos (``--dataset cifar10``, at the end of this text).
 
     python -m bench.time_to_accuracy                       # targets 0.5 and 0.8, the recipe's 16 epochs, 3 repeats
     python -m bench.time_to_accuracy --repeats 1 --no-example
@@ -45,6 +46,16 @@ runs (``bench.common.spread``). Ratios are baseline seconds over lightray second
 faster), computed per repeat and then summarised: ``ratios.vs_tuned_plain_{train,wall}_s.<target>`` and
 ``ratios.vs_pytorch_example_{train,wall}_s.<target>``; a repeat in which a side missed the target counts as
 ``missing``; ``resolved`` is false when the repeats' spread is wider than the median's distance from 1.
+
+``--dataset cifar10`` (``--data``: the training split as Parquet, default ``../shared/data/cifar10``): the
+``cifar10`` recipe, validated on its seeded hold-out of the training split. The primary baseline is
+``plain_same_recipe`` (``bench/plain_recipe.py``): the whole recipe, progressive phases included, in one plain
+PyTorch process over the photos decoded once into uint8 arrays in memory, crops batched in torch; the second
+is ``plain_fixed_resolution``, the same loop at the final phase for every epoch. Ratios:
+``ratios.vs_plain_same_recipe_{train,wall}_s.<target>`` and ``ratios.vs_plain_fixed_res_{train,wall}_s.<target>``.
+The decode into memory counts as the baselines' start-up (their wall time), as prepare counts as lightray's.
+    python -m bench.time_to_accuracy --dataset cifar10 --repeats 3
+    python -m bench.time_to_accuracy --dataset cifar10 --quick --target 0.3     # the smallest check
 """
 
 from __future__ import annotations
@@ -274,14 +285,15 @@ def _example_rank(res: dict[str, Any], targets: list[float]) -> tuple:
 
 
 # --- (c) lightray's demo recipe ---------------------------------------------------------------------
-def run_lightray(storage: str, overrides: dict[str, Any], targets: list[float], seed: int) -> dict[str, Any]:
+def run_lightray(storage: str, overrides: dict[str, Any], targets: list[float], seed: int,
+                 recipe: str = "demo") -> dict[str, Any]:
     import ray
 
     from app.config import load_config
     from app.train.runner import run_training
 
     name = f"tta-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-s{seed}"
-    cfg = load_config("demo", {"storage": storage, "name": name, "scaling.ray_address": "local",
+    cfg = load_config(recipe, {"storage": storage, "name": name, "scaling.ray_address": "local",
                                "scaling.seed": seed, "report.targets": list(targets), **overrides})
     t0_unix, t0 = time.time(), time.perf_counter()
     # Ray forwards its raylet's and workers' warnings to the driver's stdout; stdout holds only the JSON line.
@@ -330,6 +342,94 @@ def ratios_against(base_runs: list[dict[str, Any]], light_runs: list[dict[str, A
     return out
 
 
+# --- CIFAR-10: real photos, against the same recipe in plain PyTorch over the decoded arrays -------------------
+DEFAULT_CIFAR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                             "shared", "data", "cifar10")
+
+
+def cifar_overrides(data: str, quick: bool) -> dict[str, Any]:
+    """The cifar10 recipe on ``data``; ``quick``: 4,000 training and 500 validation photos, 4 epochs, the recipe's
+    phases at batch 64 instead of 512 (enough steps to learn; the LR follows the batch): a check."""
+    from app.config import load_config
+
+    out: dict[str, Any] = {"data.source": data}
+    if quick:
+        phases = [{"until": p.until, "scale": p.scale, "resolution": p.resolution, "batch_size": 64,
+                   "min_scale": p.min_scale} for p in load_config("cifar10").schedule.phases]
+        out.update({"data.limit_train": 4000, "data.limit_val": 500, "schedule.epochs": 4,
+                    "schedule.phases": phases})
+    return out
+
+
+def plain_side(cfg, arrays: dict[str, Any], targets: list[float], threads: int, seed: int,
+               fixed_final: bool) -> dict[str, Any]:
+    from bench import plain_recipe
+
+    t0 = time.perf_counter()
+    history, startup = plain_recipe.run(cfg, arrays, targets=targets, threads=threads, seed=seed,
+                                        fixed_final=fixed_final,
+                                        label="plain fixed resolution" if fixed_final else "plain same recipe")
+    decode = arrays["decode_s"]  # the one-off decode into memory is the baseline's start-up, as prepare is lightray's
+    for r in history:
+        r["wall_s"] += decode
+    return _side_result(history, targets, startup + decode, time.perf_counter() - t0 + decode,
+                        threads=threads, fixed_final=fixed_final)
+
+
+def main_cifar(args: argparse.Namespace, repeats: int) -> int:
+    from app.config import load_config
+    from app.data import native
+    from bench import plain_recipe
+
+    overrides = cifar_overrides(args.data, args.quick)
+    cfg = load_config("cifar10", overrides)
+    targets = sorted(args.target if args.target else list(cfg.report.targets))
+    threads = args.plain_threads or machine_cores()
+    machine = Machine()
+    arrays = plain_recipe.load_arrays(args.data, cfg.data.val_fraction, cfg.data.val_seed,
+                                      {"train": cfg.data.limit_train, "val": cfg.data.limit_val})
+    # The plain sides take the recipe as the run fits it to the photos' native size (short side of the arrays).
+    native.fit_schedule(cfg, int(min(arrays["train"][0].shape[1:3])))
+    note(f"cifar10: {len(arrays['train'][1])} train / {len(arrays['val'][1])} val photos decoded in "
+         f"{arrays['decode_s']:.1f} s; {repeats} repeat(s); plain sides: {threads} torch threads")
+    light, same, fixed, loads = [], [], [], []
+    for rep in range(repeats):
+        seed = args.seed + rep
+        loads.append(load_avg())
+        for side in (("lightray", "same") if rep % 2 == 0 else ("same", "lightray")):
+            note(f"repeat {rep + 1}/{repeats}: {side} (seed {seed}, load {load_avg()})")
+            if side == "lightray":
+                light.append(run_lightray(args.storage, overrides, targets, seed, recipe="cifar10"))
+            else:
+                same.append(plain_side(cfg, arrays, targets, threads, seed, fixed_final=False))
+        if not args.no_fixed:
+            note(f"repeat {rep + 1}/{repeats}: plain fixed resolution (seed {seed}, load {load_avg()})")
+            fixed.append(plain_side(cfg, arrays, targets, threads, seed, fixed_final=True))
+    final = cfg.schedule.phases[-1]
+    figures: dict[str, Any] = {
+        "dataset": "cifar10", "source": args.data, "targets": targets, "repeats": repeats,
+        "seeds": [args.seed + r for r in range(repeats)], "model": cfg.model.arch, "widths": list(cfg.model.widths),
+        "train_images": len(arrays["train"][1]), "val_images": len(arrays["val"][1]),
+        "val": f"seeded hold-out of the training split (data.val_fraction={cfg.data.val_fraction:g}, "
+               f"seed {cfg.data.val_seed})", "load_1m_at_repeat_start": loads,
+        "recipe": {"epochs": int(cfg.schedule.epochs), "phases": [[p.resolution, p.batch_size, p.min_scale]
+                                                                  for p in cfg.schedule.phases],
+                   "final_resolution": final.resolution, "eval_resolution": cfg.schedule.eval_resolution},
+        "lightray": {**summarize_side(light, targets), "workers": light[0]["workers"],
+                     "run_dirs": [r["run_dir"] for r in light]},
+        "plain_same_recipe": {**summarize_side(same, targets), "threads": threads, "processes": 1,
+                              "data": "decoded uint8 arrays in memory, batched roi_align crops"},
+    }
+    ratios = ratios_against(same, light, targets, "vs_plain_same_recipe")
+    if fixed:
+        figures["plain_fixed_resolution"] = {**summarize_side(fixed, targets), "threads": threads,
+                                             "resolution": final.resolution}
+        ratios.update(ratios_against(fixed, light, targets, "vs_plain_fixed_res"))
+    emit("time_to_accuracy", figures, ratios, machine.finish(None, quick=args.quick, repeats=repeats,
+                                                              dataset="cifar10", plain_threads=threads))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", type=float, nargs="+", default=None,
@@ -346,11 +446,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="the PyTorch example's epochs (default: the recipe's); fewer make a quick check quicker")
     p.add_argument("--storage", default=DEFAULT_STORAGE,
                    help="lightray storage; its cache/ holds the demo tree and shard cache, kept between runs")
-    p.add_argument("--quick", action="store_true", help="4 classes, 1,200 images, 8 epochs, 1 repeat: a check")
+    p.add_argument("--quick", action="store_true", help="4 classes, 1,200 images, 8 epochs, 1 repeat: a check "
+                   "(cifar10: 4,000 photos, 4 epochs)")
+    p.add_argument("--dataset", choices=["demo", "cifar10"], default="demo",
+                   help="demo (synthetic shapes) or cifar10 (real photos, the cifar10 recipe)")
+    p.add_argument("--data", default=DEFAULT_CIFAR, help="the CIFAR-10 training split as Parquet (--dataset cifar10)")
+    p.add_argument("--no-fixed", action="store_true", help="cifar10: skip the fixed-resolution plain loop")
     args = p.parse_args(argv)
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
     if repeats < 1:
         p.error(f"--repeats={repeats}: expected a positive integer")
+    if args.dataset == "cifar10":
+        for t in args.target or []:
+            if not 0 < t <= 1:
+                p.error(f"--target={t}: expected a top-1 fraction in (0, 1]")
+        return main_cifar(args, repeats)
     if args.example_epochs is not None and args.example_epochs < 1:
         p.error(f"--example-epochs={args.example_epochs}: expected a positive integer")
     overrides = quick_overrides() if args.quick else {}

@@ -220,3 +220,26 @@ def test_search_bench_measures_each_trial_start_and_compares_samplers_on_trial_s
         assert search["trials"] >= 1 and search["finished_with_metric"] >= 1, search
         assert all(b[0] >= 0 and 0.0 <= b[1] <= 1.0 for b in search["curve"]), search
     assert "random_over_tpe_asha_trial_s_to_same_best" in rat
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_time_to_accuracy_on_cifar10_runs_the_same_recipe_plain_and_names_the_ratios(tmp_path):
+    data = REPO.parent / "shared" / "data" / "cifar10"
+    if not data.is_dir():
+        pytest.skip(f"{data}: the CIFAR-10 training split is not beside this checkout")
+    res = _one_json_line(["bench.time_to_accuracy", "--dataset", "cifar10", "--quick", "--target", "0.3",
+                          "--storage", str(tmp_path)], timeout=1700)
+    fig, rat = res["figures"], res["ratios"]
+    assert fig["dataset"] == "cifar10" and fig["train_images"] == 4000 and fig["val_images"] == 500
+    assert fig["recipe"]["phases"] == [[24, 64, 0.6], [32, 64, 0.75]]  # scale 0.75 / 1.0 of the native 32 px
+    for side in ("lightray", "plain_same_recipe", "plain_fixed_resolution"):
+        assert fig[side]["best_top1"]["median"] >= 0.25, (side, fig[side]["top1_per_epoch"])  # chance is 0.1
+    for name, side in (("vs_plain_same_recipe", "plain_same_recipe"), ("vs_plain_fixed_res", "plain_fixed_resolution")):
+        for key in ("train_s", "wall_s"):
+            r = rat[f"{name}_{key}"]["0.3"]
+            if not (fig[side]["reached"]["0.3"][0] and fig["lightray"]["reached"]["0.3"][0]):
+                assert r["median"] is None
+                continue
+            want = fig[side][f"{key}_to_target"]["0.3"]["median"] / fig["lightray"][f"{key}_to_target"]["0.3"]["median"]
+            assert r["median"] == pytest.approx(want, rel=0.02)

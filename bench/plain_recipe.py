@@ -1,0 +1,165 @@
+"""The strongest plain baseline for time to accuracy: lightray's recipe, the whole of it, in one plain PyTorch
+process over decoded images held in memory.
+
+What a skilled user writes for a dataset that fits in RAM (the fast CIFAR-10 trainers' way): decode the
+photos once into one uint8 array, then every step takes a random batch of it and augments it in torch, batched
+(random-resized crop + flip as one ``roi_align``), with ``torch.set_num_threads`` set for the machine. The
+recipe is the run's own, read through ``load_config`` and fitted to the data as a run fits it: its phases
+(resolution, global batch, crop scale) by epoch, the optimiser and its parameter groups, the LR and momentum
+curves as functions of samples seen, label smoothing, the EMA of the weights and flip test-time augmentation,
+each built by the same lightray function the run calls (so both sides do the same arithmetic). The split is
+the run's own: the same seeded hold-out of the same rows. ``fixed_final`` trains every epoch at the final
+phase instead (the fixed-resolution loop, the second baseline).
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+
+def load_arrays(source: str, val_fraction: float, seed: int, limits: dict[str, int]) -> dict[str, Any]:
+    """The train and val rows of a Parquet source as uint8 NHWC arrays and int64 labels: the rows a run takes
+    (its hold-out, its evenly spaced limit), decoded once. Every image must have one size (CIFAR-10's 32 px)."""
+    from app.data import sources_parquet
+    from app.data.source import resolve_fs
+    from app.data.sources import list_source
+
+    t0 = time.perf_counter()
+    listing = list_source(source, val_fraction, seed, explicit=False)
+    if listing.kind != "parquet":
+        raise ValueError(f"{source}: the in-memory baseline reads Parquet sources; this one is {listing.kind}")
+    fs, base = resolve_fs(listing.root)
+    out: dict[str, Any] = {"classes": listing.classes}
+    for split in ("train", "val"):
+        imgs, labels = [], []
+        for unit in sources_parquet.plan_units(listing, split, limits.get(split, 0), 1 << 20):
+            unit = {**unit, "options": listing.options, "classes": listing.classes}
+            for _sid, _path, label, data, _reason in sources_parquet.iter_samples(unit, fs, base):
+                if data is not None:
+                    imgs.append(np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))
+                    labels.append(label)
+        shapes = {a.shape for a in imgs}
+        if len(shapes) != 1:
+            raise ValueError(f"{source}: {split} images have {len(shapes)} sizes; the in-memory baseline needs one")
+        out[split] = (np.stack(imgs), np.asarray(labels, np.int64))
+    out["decode_s"] = time.perf_counter() - t0
+    return out
+
+
+def random_resized_crop(x: torch.Tensor, size: int, min_scale: float, gen: torch.Generator) -> torch.Tensor:
+    """Batched random-resized crop (area in [min_scale, 1], aspect in [3/4, 4/3]) and horizontal flip of a float
+    NCHW batch, resized to ``size`` by bilinear ``roi_align``."""
+    from torchvision.ops import roi_align
+
+    n, _, h, w = x.shape
+    area = torch.empty(n).uniform_(min_scale, 1.0, generator=gen) * h * w
+    ratio = torch.exp(torch.empty(n).uniform_(float(np.log(3 / 4)), float(np.log(4 / 3)), generator=gen))
+    cw = torch.sqrt(area * ratio).clamp(max=w)
+    ch = torch.sqrt(area / ratio).clamp(max=h)
+    x0 = torch.rand(n, generator=gen) * (w - cw)
+    y0 = torch.rand(n, generator=gen) * (h - ch)
+    boxes = torch.stack([torch.arange(n, dtype=torch.float32), x0, y0, x0 + cw, y0 + ch], 1)
+    out = roi_align(x, boxes, output_size=(size, size), spatial_scale=1.0, sampling_ratio=2, aligned=True)
+    flip = torch.rand(n, generator=gen) < 0.5
+    return torch.where(flip.view(-1, 1, 1, 1), out.flip(3), out)
+
+
+def center_crop(x: torch.Tensor, size: int, crop_ratio: float) -> torch.Tensor:
+    """The centre ``crop_ratio`` of the short side, resized to ``size`` (lightray's validation crop)."""
+    from torchvision.ops import roi_align
+
+    n, _, h, w = x.shape
+    side = min(h, w) * crop_ratio
+    if side == size and h == w == size:
+        return x
+    x0, y0 = (w - side) / 2, (h - side) / 2
+    boxes = torch.tensor([[i, x0, y0, x0 + side, y0 + side] for i in range(n)], dtype=torch.float32)
+    return roi_align(x, boxes, output_size=(size, size), spatial_scale=1.0, sampling_ratio=2, aligned=True)
+
+
+def _normalise(batch: np.ndarray, channels_last: bool) -> torch.Tensor:
+    from app.train.device import IMAGENET_MEAN, IMAGENET_STD
+
+    x = torch.from_numpy(batch).permute(0, 3, 1, 2).float().div_(255)
+    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    x = (x - mean) / std
+    return x.contiguous(memory_format=torch.channels_last) if channels_last else x.contiguous()
+
+
+@torch.no_grad()
+def _top1(model: torch.nn.Module, xs: np.ndarray, ys: np.ndarray, cfg, size: int) -> float:
+    model.eval()
+    hits = 0
+    for lo in range(0, len(xs), 500):
+        x = center_crop(_normalise(xs[lo:lo + 500], False), size, cfg.data.val_crop_ratio)
+        if cfg.model.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        logits = model(x).float()
+        if cfg.schedule.tta_flip:
+            logits = (logits + model(torch.flip(x, dims=[3])).float()) / 2
+        hits += int((logits.argmax(1) == torch.from_numpy(ys[lo:lo + 500])).sum())
+    model.train()
+    return hits / max(1, len(xs))
+
+
+def run(cfg, arrays: dict[str, Any], *, targets: list[float], threads: int, seed: int,
+        fixed_final: bool = False, label: str = "plain same recipe") -> tuple[list[dict[str, Any]], float]:
+    """Train ``cfg`` (a config fitted to the data) over ``arrays``; per-epoch records (epoch, val_top1, train_s,
+    wall_s) until the highest target or the recipe's epochs, and the start-up seconds (model and optimiser
+    build, the decode counted by the caller)."""
+    from app.schedule import Schedule
+    from app.train.ema import ModelEMA
+    from app.train.model import build_model
+    from app.train.optim import build_loss, build_optimizer, set_lr_momentum
+    from bench.common import note
+
+    t_start = time.perf_counter()
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    xtr, ytr = arrays["train"]
+    xva, yva = arrays["val"]
+    sched = Schedule(cfg.schedule, cfg.optim, len(xtr))
+    model = build_model(cfg.model, len(arrays["classes"]))
+    if cfg.model.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    loss_fn = build_loss(cfg.optim)
+    ema = ModelEMA(model, cfg.optim.ema_decay) if cfg.optim.ema_decay > 0 else None
+    final = sched.resolved.phases[-1]
+    eval_res = cfg.schedule.eval_resolution or final.resolution
+    history: list[dict[str, Any]] = []
+    samples = 0
+    t_train = time.perf_counter()
+    for epoch in range(sched.epochs):
+        ph = final if fixed_final else next(p for p in sched.resolved.phases if p.first_epoch <= epoch < p.end_epoch)
+        perm = rng.permutation(len(xtr))
+        for s in range(len(xtr) // ph.batch_size):
+            idx = perm[s * ph.batch_size:(s + 1) * ph.batch_size]
+            x = random_resized_crop(_normalise(xtr[idx], False), ph.resolution, ph.min_scale, gen)
+            if cfg.model.channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+            set_lr_momentum(opt, sched.lr_at(samples), sched.momentum_at(samples))
+            loss = loss_fn(model(x), torch.from_numpy(ytr[idx]))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if ema is not None:
+                ema.update(model)
+            samples += ph.batch_size
+        top1 = _top1(ema.module if ema is not None else model, xva, yva, cfg, eval_res)
+        now = time.perf_counter()
+        history.append({"epoch": epoch + 1, "val_top1": top1, "train_s": now - t_train, "wall_s": now - t_start})
+        note(f"{label} epoch {epoch + 1}/{sched.epochs} ({ph.resolution}px): top-1 {top1:.3f} "
+             f"({now - t_train:.0f} s)")
+        if top1 >= max(targets):
+            break
+    return history, t_train - t_start
