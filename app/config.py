@@ -286,6 +286,13 @@ class ScheduleConfig:
     allow_upscale: Bool = False
 
 
+def _auto_or_count(value: str) -> str:
+    """``scaling.max_batch_per_device``: ``auto`` or a whole number of images (0 = no cap), kept as text."""
+    if value != "auto" and not (value.isdigit() and int(value) >= 0):
+        raise _bad(value, "expected auto or a whole number of images >= 0 (0 = no cap)")
+    return value
+
+
 @_section
 @dataclass
 class ScalingConfig:
@@ -309,6 +316,12 @@ class ScalingConfig:
     spot_poll_s: Annotated[Float, Range(0.05, 60.0)] = 5.0
     # seconds before a collective (gloo or NCCL) with a missing or hung peer fails and the group restarts
     collective_timeout_s: Annotated[Int, Range(1, 86400)] = 300
+    # images one device takes per forward/backward; a rank's share of a phase's global batch is cut into
+    # micro-steps of at most this many that accumulate to one optimizer step (app/train/accumulate.py).
+    # auto: from the model, resolution and free memory on CUDA, no cap on CPU; 0 = no cap
+    max_batch_per_device: Annotated[Str, AfterValidator(_auto_or_count)] = "auto"
+    # pin batches in a loader thread and copy them to the GPU one step ahead on a side stream (app/train/prefetch.py)
+    device_prefetch: Bool = True
 
 
 @_section

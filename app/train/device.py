@@ -182,10 +182,39 @@ def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
+# (device, mean, std) -> the (1, 3, 1, 1) mean and std in pixel units on that device. Building them from Python
+# floats is a host-to-device copy from pageable memory, which blocks the host: once per device, not per batch.
+_NORM_CONSTANTS: dict[tuple[str, tuple[float, ...], tuple[float, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _device_key(device: torch.device) -> str:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:<current>" are one device
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
+
+
+def normalization_constants(device: torch.device, mean: tuple[float, float, float] = IMAGENET_MEAN,
+                            std: tuple[float, float, float] = IMAGENET_STD) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean and std of :func:`images_to_device`'s normalisation, in [0, 255] pixel units, on ``device``:
+    built at the first call for a device and kept (``normalization_cache()`` lists them)."""
+    key = (_device_key(device), tuple(float(v) for v in mean), tuple(float(v) for v in std))
+    found = _NORM_CONSTANTS.get(key)
+    if found is None:
+        found = (torch.tensor(key[1], device=device).view(1, 3, 1, 1) * 255.0,
+                 torch.tensor(key[2], device=device).view(1, 3, 1, 1) * 255.0)
+        _NORM_CONSTANTS[key] = found
+    return found
+
+
+def normalization_cache() -> dict[tuple[str, tuple[float, ...], tuple[float, ...]], tuple[torch.Tensor, torch.Tensor]]:
+    """The normalisation constants made so far, by (device, mean, std)."""
+    return dict(_NORM_CONSTANTS)
+
+
 def _normalize(x: torch.Tensor, device: torch.device, channels_last: bool, mean: tuple[float, float, float],
                std: tuple[float, float, float]) -> torch.Tensor:
-    m = torch.tensor(mean, device=device).view(1, 3, 1, 1) * 255.0
-    s = torch.tensor(std, device=device).view(1, 3, 1, 1) * 255.0
+    m, s = normalization_constants(device, mean, std)
     x = (x - m) / s
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     return x.contiguous(memory_format=fmt)

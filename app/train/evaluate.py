@@ -7,19 +7,23 @@ would mix shapes.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from app.config import Config
 from app.train import device as dev
+from app.train.prefetch import DevicePrefetcher
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, shard, device: torch.device, precision: str, cfg: Config,
              prefetch_batches: int = 2, batch_size: int = 256) -> dict[str, float]:
     """Each rank scores its part of the split; counts (not means) are all-reduced, so the result is
-    exactly the full split's accuracy whatever the number of workers or their share."""
+    exactly the full split's accuracy whatever the number of workers or their share. The counts stay on
+    the device until the split is scored: the host reads them once, at the end."""
     was_training = model.training
     if dist.is_available() and dist.is_initialized():
         # BN running stats drift apart per rank after the last step (each saw its own batch; DDP re-syncs them
@@ -30,28 +34,42 @@ def evaluate(model: nn.Module, shard, device: torch.device, precision: str, cfg:
     model.eval()
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # n, top1, top5, loss sum
-    for block in shard.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=prefetch_batches):
-        for lo in range(0, len(block["label"]), batch_size):
-            totals += _score(model, block["image"][lo:lo + batch_size], block["label"][lo:lo + batch_size],
-                             device, precision, cfg, loss_fn)
+    chunks = DevicePrefetcher(_chunks(shard, prefetch_batches, batch_size), device,
+                              enabled=cfg.scaling.device_prefetch)
+    try:
+        for chunk in chunks:
+            _score(model, chunk["image"], chunk["label"], device, precision, cfg, loss_fn, totals)
+    finally:
+        chunks.close()
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(totals)
     model.train(was_training)
-    n = max(1.0, totals[0].item())
-    return {"val_top1": totals[1].item() / n, "val_top5": totals[2].item() / n, "val_loss": totals[3].item() / n,
-            "val_samples": int(totals[0].item())}
+    n_val, top1, top5, loss = totals.tolist()
+    n = max(1.0, n_val)
+    return {"val_top1": top1 / n, "val_top5": top5 / n, "val_loss": loss / n, "val_samples": int(n_val)}
+
+
+def _chunks(shard, prefetch_batches: int, batch_size: int) -> Iterator[dict]:
+    for block in shard.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=prefetch_batches):
+        for lo in range(0, len(block["label"]), batch_size):
+            yield {"image": block["image"][lo:lo + batch_size], "label": block["label"][lo:lo + batch_size]}
 
 
 def _score(model: nn.Module, images, labels, device: torch.device, precision: str, cfg: Config,
-           loss_fn: nn.Module) -> torch.Tensor:
-    """[n, top-1 hits, top-5 hits, loss sum] of one uint8 NHWC batch."""
-    x = dev.images_to_device(torch.from_numpy(images), device, cfg.model.channels_last)
-    y = torch.from_numpy(labels).to(device)
+           loss_fn: nn.Module, totals: torch.Tensor) -> None:
+    """Add [n, top-1 hits, top-5 hits, loss sum] of one uint8 NHWC batch (NumPy, or tensors the prefetcher
+    put on the device) to ``totals``, on the device."""
+    images = images if isinstance(images, torch.Tensor) else torch.from_numpy(images)
+    labels = labels if isinstance(labels, torch.Tensor) else torch.from_numpy(labels)
+    x = dev.images_to_device(images, device, cfg.model.channels_last)
+    y = dev.host_to_device(labels, device)
     with dev.autocast(precision, device):
         logits = model(x).float()
         if cfg.schedule.tta_flip:
             logits = (logits + model(torch.flip(x, dims=[3])).float()) / 2
     k = min(5, logits.shape[1])
     hit = logits.topk(k, dim=1).indices.eq(y.view(-1, 1))
-    return torch.tensor([len(y), hit[:, :1].sum().item(), hit.any(dim=1).sum().item(), loss_fn(logits, y).item()],
-                        dtype=torch.float64, device=device)
+    totals[0] += len(y)
+    totals[1] += hit[:, :1].sum()
+    totals[2] += hit.any(dim=1).sum()
+    totals[3] += loss_fn(logits, y)

@@ -12,6 +12,7 @@ communication residuals and RNG states.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -28,11 +29,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from app import storage
 from app.config import Config, Phase, config_from_dict
 from app.data import device_decode
-from app.data.ingest import IngestSpec
 from app.data.plan import rank_slice
+from app.data.spec import IngestSpec
 from app.report.runlog import get_runlog
 from app.schedule import Position, Schedule
 from app.storage import join
+from app.train import accumulate
 from app.train import device as dev
 from app.train.agreement import agree
 from app.train.comm import CommHook
@@ -43,6 +45,7 @@ from app.train.finetune import HeadWarmup
 from app.train.fusion import choose_bucket_mb
 from app.train.model import build_model, to_device
 from app.train.optim import build_loss, build_optimizer, clip_gradients, set_lr_momentum
+from app.train.prefetch import DevicePrefetcher
 from app.train.state import (
     ResumePoint,
     checkpoint_name,
@@ -102,11 +105,13 @@ class Counters:
 
 @dataclass
 class PhaseRun:
-    """The phase being trained: its config, index and this rank's share of each global batch."""
+    """The phase being trained: its config, index, this rank's share of each global batch and the micro-steps
+    that share is cut into (``app/train/accumulate.py``)."""
 
     index: int
     phase: Phase
     loss_scale: float  # DDP averages over ranks: weight each rank's loss by its share of the batch
+    micro_steps: int = 1
 
 
 def loss_scale(global_batch: int, world: int, rank: int) -> float:
@@ -132,9 +137,17 @@ def set_rng_state(s: dict) -> None:
         torch.cuda.set_rng_state_all([t.cpu() for t in s["cuda"]])
 
 
-def _new_window() -> dict[str, float]:
-    """Accumulators for one report interval."""
+def _new_window() -> dict[str, Any]:
+    """Accumulators for one report interval. ``loss`` becomes a device tensor at the first step and is read
+    on the host only when the interval is reported: a read per step would wait for the step's kernels."""
     return {"t": time.time(), "wait": 0.0, "n": 0, "loss": 0.0, "steps": 0}
+
+
+def _rows(batch: dict, key: str, lo: int, hi: int) -> torch.Tensor:
+    """Rows [lo, hi) of one of the batch's arrays as a tensor (a view: NumPy from the stream, or a tensor the
+    prefetcher already put on the device)."""
+    value = batch[key]
+    return value[lo:hi] if isinstance(value, torch.Tensor) else torch.from_numpy(value[lo:hi])
 
 
 class Trainer:
@@ -194,6 +207,7 @@ class Trainer:
                              timeout_s=cfg.scaling.collective_timeout_s)
         self.comm.install(self.ddp)
         self.forward = dev.maybe_compile(self.ddp, cfg.model, self.device)
+        dev.normalization_constants(self.device)  # made here, with the model, and never in a step
 
     def _saved_bucket_mb(self) -> float:
         """The DDP bucket size of the checkpoint this start resumes from, when it ran at this world size (else 0).
@@ -294,25 +308,44 @@ class Trainer:
             self.eval_sweep()
         self._finish()
 
+    def phase_run(self, phase_idx: int) -> PhaseRun:
+        """The phase's PhaseRun, with its micro-steps agreed across ranks (a collective: every rank calls it at
+        the start of the phase); reports the ``accumulation`` unit."""
+        phase = self.cfg.schedule.phases[phase_idx]
+        lo, hi = rank_slice(phase.batch_size, self.world, self.rank)
+        cap, how = accumulate.resolve_cap(self.cfg.scaling.max_batch_per_device, self.model, phase.resolution,
+                                          self.device, self.precision, self.cfg.model.channels_last, hi - lo)
+        agreed = accumulate.agree_cap(cap, self.device)
+        if agreed != cap:
+            how += f"; {agreed} agreed: the smallest of any rank"
+        plan = accumulate.plan_phase(phase_idx, phase.batch_size, self.world, agreed, how, self.cfg.model.global_bn)
+        self.report({"event": "unit", **plan.event()})
+        return PhaseRun(phase_idx, phase, loss_scale(phase.batch_size, self.world, self.rank), plan.micro_steps)
+
     def run_phase(self, phase_idx: int, pos: Position) -> None:
         """Train the phase's epochs from ``pos``, validating and checkpointing at each epoch's end."""
         phase = self.cfg.schedule.phases[phase_idx]
         lo, hi = rank_slice(phase.batch_size, self.world, self.rank)
-        run = PhaseRun(phase_idx, phase, loss_scale(phase.batch_size, self.world, self.rank))
+        run = self.phase_run(phase_idx)
         shard = self.ctx.dataset_shard(f"train_p{phase_idx}")
-        batches = iter(shard.iter_batches(batch_size=hi - lo, batch_format="numpy",
-                                          prefetch_batches=self.spec.prefetch_batches, drop_last=False))
+        batches = DevicePrefetcher(iter(shard.iter_batches(batch_size=hi - lo, batch_format="numpy",
+                                                           prefetch_batches=self.spec.prefetch_batches,
+                                                           drop_last=False)),
+                                   self.device, enabled=self.cfg.scaling.device_prefetch)
         self.report({"event": "unit", "unit": "progressive_resize",
                      "message": f"phase {phase_idx}: {phase.resolution}px, global batch {phase.batch_size}, "
                                 f"min crop scale {phase.min_scale}", "phase": phase_idx})
         ph_spec = self.spec.phases[phase_idx]
-        for epoch in range(max(ph_spec.first_epoch, pos.epoch), ph_spec.end_epoch):
-            first_step = pos.step_in_epoch if epoch == pos.epoch else 0
-            if not self.run_epoch(epoch, first_step, run, batches):
-                return  # stopped mid-epoch: the interval checkpoint holds the position
-            self.end_epoch(epoch, run)
-            if self.stopped:
-                return
+        try:
+            for epoch in range(max(ph_spec.first_epoch, pos.epoch), ph_spec.end_epoch):
+                first_step = pos.step_in_epoch if epoch == pos.epoch else 0
+                if not self.run_epoch(epoch, first_step, run, batches):
+                    return  # stopped mid-epoch: the interval checkpoint holds the position
+                self.end_epoch(epoch, run)
+                if self.stopped:
+                    return
+        finally:
+            batches.close()
 
     def run_epoch(self, epoch: int, first_step: int, run: PhaseRun, batches: Iterator[dict]) -> bool:
         """Train the epoch from ``first_step``; False when stopped before its last step."""
@@ -342,30 +375,31 @@ class Trainer:
         return batch
 
     def train_step(self, batch: dict, run: PhaseRun) -> tuple[float, float]:
-        """One optimizer step on this rank's slice of the global batch; returns (lr, momentum) used."""
+        """One optimizer step on this rank's slice of the global batch, in ``run.micro_steps`` micro-steps whose
+        gradients accumulate (DDP all-reduces at the last); returns (lr, momentum) used."""
         c = self.counters
         lr, mom = self.sched.lr_at(c.samples_seen), self.sched.momentum_at(c.samples_seen)
         self.comm.begin_step(c.samples_seen / self.spec.train_size)  # epochs seen drive the sparsity warm-up
         set_lr_momentum(self.optimizer, lr, self.comm.optimizer_momentum(mom))  # 0 under momentum correction
-        labels = batch["label"]
-        if "jpeg" in batch:  # device decode: decode_jpeg on this device, then the device path's batched crop
-            d = device_decode.decode_batch(batch, self.device)
-            x = dev.augmented_to_device(d.canvas, d.boxes, d.flips, run.phase.resolution, self.device,
-                                        self.cfg.model.channels_last)
-            labels = labels[d.keep]  # an undecodable image is dropped with its label, and listed
-            if d.skipped:
-                self.report({"event": "decode_skipped", "sample_ids": d.skipped, "step": c.step})
-        elif "box" in batch:  # the device path: crop, resize and flip the stored pixels here, in one batched op
-            x = dev.augmented_to_device(torch.from_numpy(batch["image"]), torch.from_numpy(batch["box"]),
-                                        torch.from_numpy(batch["flip"]), run.phase.resolution, self.device,
-                                        self.cfg.model.channels_last)
-        else:
-            x = dev.images_to_device(torch.from_numpy(batch["image"]), self.device, self.cfg.model.channels_last)
-        y = dev.host_to_device(torch.from_numpy(labels), self.device)
-        with dev.autocast(self.precision, self.device):
-            loss = self.loss_fn(self.forward(x), y)
+        n = len(batch["label"])
+        parts = accumulate.micro_slices(n, run.micro_steps)
         self.optimizer.zero_grad(set_to_none=True)
-        self.scaler.scale(loss * run.loss_scale).backward()  # the scaler is a pass-through unless fp16
+        loss_sum: torch.Tensor | float = 0.0
+        skipped: list[int] = []
+        for k, (lo, hi) in enumerate(parts):
+            if hi == lo:
+                continue  # a share shorter than the micro-steps; never the last part (micro_slices)
+            last = k == len(parts) - 1
+            with contextlib.nullcontext() if last else self.ddp.no_sync():
+                x, y = self._micro_inputs(batch, lo, hi, run, skipped)
+                with dev.autocast(self.precision, self.device):
+                    loss = self.loss_fn(self.forward(x), y)
+                # The slice's mean loss is the size-weighted sum of the micro-batches' means.
+                share = (hi - lo) / n
+                self.scaler.scale(loss * (run.loss_scale * share)).backward()  # a pass-through unless fp16
+            loss_sum = loss_sum + loss.detach().float() * share
+        if skipped:
+            self.report({"event": "decode_skipped", "sample_ids": skipped, "step": c.step})
         self.head_warmup.before_step(c.samples_seen)
         clip_gradients(self.model, self.optimizer, self.cfg.optim, self.scaler)
         self.scaler.step(self.optimizer)
@@ -376,8 +410,27 @@ class Trainer:
         c.step += 1
         self.window["n"] += run.phase.batch_size
         self.window["steps"] += 1
-        self.window["loss"] += float(loss.detach())
+        self.window["loss"] = self.window["loss"] + loss_sum
         return lr, mom
+
+    def _micro_inputs(self, batch: dict, lo: int, hi: int, run: PhaseRun,
+                      skipped: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Images (normalised, on the device) and labels of rows [lo, hi) of the slice."""
+        cl, res = self.cfg.model.channels_last, run.phase.resolution
+        if "jpeg" in batch:  # device decode: decode_jpeg on this device, then the device path's batched crop
+            part = {k: batch[k][lo:hi] for k in ("jpeg", "box", "flip", "sample_id")}
+            d = device_decode.decode_batch(part, self.device)
+            x = dev.augmented_to_device(d.canvas, d.boxes, d.flips, res, self.device, cl)
+            labels = _rows(batch, "label", lo, hi)[torch.from_numpy(d.keep)]  # a dropped image loses its label
+            skipped.extend(d.skipped)
+        elif "box" in batch:  # the device path: crop, resize and flip the stored pixels here, in one batched op
+            x = dev.augmented_to_device(_rows(batch, "image", lo, hi), _rows(batch, "box", lo, hi),
+                                        _rows(batch, "flip", lo, hi), res, self.device, cl)
+            labels = _rows(batch, "label", lo, hi)
+        else:
+            x = dev.images_to_device(_rows(batch, "image", lo, hi), self.device, cl)
+            labels = _rows(batch, "label", lo, hi)
+        return x, dev.host_to_device(labels, self.device)
 
     def _log_samples(self, batch: dict, epoch: int) -> None:
         if self.sample_log is not None:
@@ -400,7 +453,7 @@ class Trainer:
                 "epoch_progress": sched.locate(c.samples_seen).epoch_progress
                 if c.samples_seen < sched.total_samples else float(sched.epochs),
                 "phase": run.index, "resolution": run.phase.resolution, "batch_size": run.phase.batch_size,
-                "lr": lr, "momentum": mom, "loss": w["loss"] / w["steps"],
+                "lr": lr, "momentum": mom, "loss": float(w["loss"]) / w["steps"],  # the interval's one read
                 "images_per_s": w["n"] / max(dt, 1e-9),
                 "data_wait_frac": w["wait"] / max(dt, 1e-9), "comm_bytes": self.comm.bytes_sent,
                 "comm_mode": self.cfg.comm.mode, "restarts": c.starts - 1,
@@ -423,6 +476,9 @@ class Trainer:
             dev.unit_log("decode_on", device_decode.describe(self.device, decoded_here), on="device",
                          device=self.device.type, phases=decoded_here)
         events = dev.pop_unit_events() + [
+            {"unit": "device_prefetch", "message": DevicePrefetcher.describe(self.device,
+                                                                             self.cfg.scaling.device_prefetch),
+             "enabled": self.cfg.scaling.device_prefetch, "device": self.device.type},
             {"unit": "fusion", "message": f"DDP bucket {self.bucket_mb:.2f} MB", "evidence": self.bucket_evidence},
             {"unit": "comm", "message": self.comm.describe()}] + list(self.spec.events)
         for ev in events:
