@@ -216,9 +216,9 @@ def folder_items(data: str, classes: list[str], transform: EvalTransform) -> lis
 
 
 def source_items(data: str, classes: list[str], transform: EvalTransform) -> list[Item]:
-    """Labelled images of any source kind training takes (app/eval_data.py): class folders, Parquet or tars."""
+    """Labelled images of any source kind training takes (app/data/labelled.py): class folders, Parquet or tars."""
+    from app.data.labelled import row_items
     from app.data.source import detect_kind
-    from app.eval_data import row_items
 
     if detect_kind(data) == "imagefolder":
         return folder_items(data, classes, transform)

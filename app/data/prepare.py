@@ -39,13 +39,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 
 from app import storage
 from app.data import images, mix, native, remix, sources_parquet, sources_webdataset
 from app.data.manifest import BAD_FILES, MANIFEST, Manifest
 from app.data.mix import SHARD_MIX_SEED, shard_order
 from app.data.shard_cache import default_local_dir
+from app.data.shard_files import PROGRESS_DIR, parquet_bytes, shard_file
 from app.data.source import DataError, SourceListing, resolve_fs, run_val_fraction
 from app.data.sources import list_source
 from app.data.sources_rows import RowListing
@@ -56,7 +56,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lightray.prepare")
 FORMAT_VERSION = 2  # bump when the shard bytes change for the same inputs (forces new cache keys)
-PROGRESS_DIR = "_progress"
 MIN_TIER, MAX_TIER = 8, 4096
 
 
@@ -109,30 +108,7 @@ def _unit_name(split: str, index: int) -> str:
     return f"{split}-{index:05d}"
 
 
-def shard_file(split: str, tier: int, index: int) -> str:
-    return f"{split}-{tier}-{index:05d}.parquet"
-
-
 # --- the per-shard task (runs in Ray Data workers) ---------------------------------------------
-_SCHEMA = pa.schema([
-    ("sample_id", pa.int64()), ("label", pa.int32()), ("image", pa.binary()), ("height", pa.int32()),
-    ("width", pa.int32()), ("orig_height", pa.int32()), ("orig_width", pa.int32()), ("path", pa.string()),
-])
-
-
-def _parquet_bytes(cols: dict[str, list]) -> bytes:
-    table = pa.table({f.name: pa.array(cols[f.name], f.type) for f in _SCHEMA}, schema=_SCHEMA)
-    sink = pa.BufferOutputStream()
-    # Image bytes are JPEG (incompressible) or pixels read straight into memory: no codec, no dictionary,
-    # no min/max statistics on them; a single row group per shard keeps reads to one seek.
-    pq.write_table(table, sink, row_group_size=max(1, table.num_rows),
-                   compression={"sample_id": "SNAPPY", "label": "SNAPPY", "path": "SNAPPY", "image": "NONE",
-                                "height": "SNAPPY", "width": "SNAPPY", "orig_height": "SNAPPY",
-                                "orig_width": "SNAPPY"},
-                   use_dictionary=["label"], write_statistics=["sample_id", "label"])
-    return sink.getvalue().to_pybytes()
-
-
 def _read_or_reason(fs: pafs.FileSystem, path: str, expected_size: int) -> tuple[bytes | None, str]:
     last = ""
     for _ in range(2):  # one retry: a transient object-store error should not mark a good image bad forever
@@ -192,7 +168,7 @@ def build_shard(unit: dict[str, Any]) -> dict[str, Any]:
     files: dict[str, dict[str, Any]] = {}
     if rows:
         for t in tiers:
-            blob = _parquet_bytes({**base, **per_tier[t]})
+            blob = parquet_bytes({**base, **per_tier[t]})
             name = shard_file(split, t, index)
             storage.write_bytes(f"{out_base}/{name}", blob, fs=out_fs)
             files[str(t)] = {"file": name, "rows": rows, "sha256": hashlib.sha256(blob).hexdigest(),

@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 
 from app import storage
 from app.data import mix
+from app.data.shard_files import PROGRESS_DIR, parquet_bytes, shard_file
 from app.data.source import resolve_fs
 
 log = logging.getLogger("lightray.prepare")
@@ -79,8 +80,6 @@ def unit_name(split: str, index: int) -> str:
 
 def build(unit: dict[str, Any], out_dir: str) -> dict[str, Any]:
     """Write remixed shard ``unit["index"]`` at every tier and its sidecar; returns the sidecar."""
-    from app.data.prepare import PROGRESS_DIR, _parquet_bytes, shard_file
-
     fs, base = resolve_fs(out_dir)
     take = np.asarray(unit["take"], np.int64).reshape(-1, 2)
     tiers = sorted(unit["from"][0]) if unit["from"] else []
@@ -92,7 +91,7 @@ def build(unit: dict[str, Any], out_dir: str) -> dict[str, Any]:
             table = pq.read_table(f"{base}/{unit['from'][src][t]}", filesystem=fs)
             parts.append(table.take(pa.array(take[take[:, 0] == src, 1])))
         cols = pa.concat_tables(parts).to_pydict()
-        blob = _parquet_bytes(cols)
+        blob = parquet_bytes(cols)
         name = shard_file(f"{PREFIX}{unit['split']}", int(t), int(unit["index"]))
         storage.write_bytes(f"{base}/{name}", blob, fs=fs)
         files[t] = {"file": name, "rows": len(cols["sample_id"]), "sha256": hashlib.sha256(blob).hexdigest(),
@@ -118,7 +117,7 @@ def run(units: list[dict[str, Any]], out_dir: str, num_cpus: float, concurrency:
     done: dict[str, dict[str, Any]] = {}
     todo = []
     for u in units:
-        path = f"{base}/_progress/{unit_name(u['split'], u['index'])}.json"
+        path = f"{base}/{PROGRESS_DIR}/{unit_name(u['split'], u['index'])}.json"
         if storage.exists(path, fs=fs):
             sc = storage.read_json(path, fs=fs)
             if all(storage.exists(f"{base}/{f['file']}", fs=fs) for f in sc["files"].values()):
