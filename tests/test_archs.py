@@ -60,3 +60,20 @@ def test_a_model_without_residual_bn_says_zero_init_does_not_apply():
 def test_torchvision_arch_beyond_resnets_builds_with_the_class_count():
     model = build_model(ModelConfig(arch="mobilenet_v3_small"), 3).eval()
     assert model(torch.zeros(1, 3, 64, 64)).shape == (1, 3)
+
+
+def test_cifar_vgg_is_airbench_shaped_for_32px_and_takes_its_widths():
+    model = build_model(ModelConfig(arch="cifar_vgg", zero_init_residual=False), 10)
+    assert sum(p.numel() for p in model.parameters()) == 1_972_792  # airbench94's widths 64/256/256
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert len(bns) == 6 and not any(bn.weight.requires_grad for bn in bns)  # scale-free BN, learned shift
+    for res in (24, 32):
+        assert model(torch.randn(2, 3, res, res)).shape == (2, 10)
+    small = build_model(ModelConfig(arch="cifar_vgg", widths=[32, 128, 128], zero_init_residual=False), 10)
+    assert [m.out_channels for m in small.modules() if isinstance(m, torch.nn.Conv2d)] == [24, 32, 32, 128, 128,
+                                                                                           128, 128]
+    conv = next(m for m in small.modules() if isinstance(m, torch.nn.Conv2d) and m.in_channels == 32
+                and m.out_channels == 32)
+    x = torch.randn(1, 32, 8, 8)
+    assert torch.allclose(torch.nn.functional.conv2d(x, conv.weight, padding=1), x)  # identity init
+    assert load_config("cifar10").model.arch == "cifar_vgg"

@@ -480,7 +480,11 @@ class Trainer:
                                                                              self.cfg.scaling.device_prefetch),
              "enabled": self.cfg.scaling.device_prefetch, "device": self.device.type},
             {"unit": "fusion", "message": f"DDP bucket {self.bucket_mb:.2f} MB", "evidence": self.bucket_evidence},
-            {"unit": "comm", "message": self.comm.describe()}] + list(self.spec.events)
+            {"unit": "comm", "message": self.comm.describe()},
+            {"unit": "tta_flip", "enabled": self.cfg.schedule.tta_flip,
+             "message": ("validation scores the mean of each image's and its mirror's logits"
+                         if self.cfg.schedule.tta_flip else
+                         "off (schedule.tta_flip=false): validation scores each image once")}] + list(self.spec.events)
         for ev in events:
             self.report({"event": "unit", **ev})
 
