@@ -432,9 +432,7 @@ def compress_overhead(batch: int, ratio: float, reps: int = 3, device: torch.dev
         out["seconds"][name] = round(best, 4)
         out[f"frac_{name}"] = round(best / min(fb), 4)
         if name == "sampled":
-            out["sampled_selection"] = {"calls": hook.selection.calls, "sampled": hook.selection.sampled,
-                                        "fallbacks": hook.selection.fallbacks,
-                                        "padded_entries": hook.selection.padded_entries}
+            out["sampled_selection"] = hook.selection.plain()  # plain ints: some counts stay on the device
     return out
 
 

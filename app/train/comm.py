@@ -41,6 +41,21 @@ all-gather; hierarchical: the closing all-gather inside the node), so backward g
 next buckets while it runs, as for dense. All hook state is read and written on the hook's thread
 before the collective starts; completion callbacks only combine the received tensors.
 
+No host syncs in the steady state (DESIGN.md): selection, packing, the residual and velocity updates and
+local clipping run on tensors whose sizes depend on ``n`` and ``k`` only (``app.train.compress``; index_add_
+and ``torch.where`` instead of boolean masks; the clip factor a device tensor), and the counts that depend on
+the data (clipped buckets, masked entries, selection misses) stay on the device until a report reads them.
+``tests/test_comm_host_sync.py`` runs this compute on data-free "meta" tensors. What still waits for the
+device: the first bucket after install/load (``_agree``), ``comm.mode=auto``'s one decision, the replayed
+first step after a resume, and torch's own PowerSGD hook.
+
+fp16 (``follow_loss_scale``, which the trainer calls with its GradScaler): residuals and velocities are
+kept unscaled (divided by the loss scale S when written, multiplied when sent; exact, S being a power of
+two), so a change of the scale changes nothing they deliver; a bucket that holds inf or nan on a rank is
+sent as nan, so the overflow reaches every rank's averaged gradient and every rank's GradScaler skips the
+step; and the slot tensors a step changed are restored on every rank when the scaler skipped it (their
+values before are kept for one step and put back by ``torch.where`` on the scale's fall).
+
 ``comm.warmup_steps`` dense steps run before compression starts (top-k from step 0 hurts the early,
 large gradients most). With a single worker nothing is communicated and every mode is the identity.
 
@@ -80,9 +95,11 @@ sent for the same buckets, so ``bytes_sent / dense_bytes`` is the achieved compr
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -91,9 +108,9 @@ import torch.distributed as dist
 
 from app.config import CommConfig
 from app.train import comm_auto
-from app.train.compress import SelectionStats, k_for, pack, quantize, scatter_sum, select
+from app.train.compress import HIGH, LOW, SelectionStats, k_for, pack, quantize, scatter_sum, select
 from app.train.device import unit_log
-from app.train.dgc import accumulate_velocity, clip_local, warmup_ratio
+from app.train.dgc import accumulate_velocity, clip_factor, warmup_ratio
 from app.train.state import numpy_rng_from_plain, numpy_rng_to_plain
 from app.train.topology import Topology, build_groups
 
@@ -183,6 +200,24 @@ class SlotStore:
 SLOTS = ("residual", "momentum", "dense_momentum")
 
 
+def _clock_mark(device: torch.device) -> Any:
+    """A point in time to measure the backward window from: on CUDA an event recorded on the current stream
+    (the host clock there would time the kernel launches, which run ahead of the GPU), else the host clock."""
+    if device.type == "cuda":
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(device))
+        return ev
+    return time.perf_counter()
+
+
+def _clock_span(first: Any, last: Any) -> float:
+    """Seconds from mark ``first`` to mark ``last`` (waits for a CUDA event: only at the one-off decision)."""
+    if isinstance(first, float):
+        return last - first
+    last.synchronize()
+    return first.elapsed_time(last) / 1e3
+
+
 def _done(t: torch.Tensor) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(t)
@@ -243,19 +278,29 @@ class CommHook:
         self.momentum = 0.0  # the schedule's momentum for this step (optimizer_momentum)
         self.epochs_done = 0.0  # epochs of samples seen, for the sparsity warm-up (begin_step)
         self.ratio_now = warmup_ratio(cfg.ratio, cfg.sparsity_warmup_start, cfg.sparsity_warmup_epochs, 0.0)
-        self.clipped = 0  # bucket-steps whose local gradient was clipped
+        # Counts that depend on the data stay on the device (read when reported): see ``clipped``, ``masked_entries``.
+        self._clipped: int | torch.Tensor = 0  # bucket-steps whose local gradient was clipped
         self.clip_checks = 0
-        self.masked_entries = 0  # velocity entries zeroed by momentum-factor masking
+        self._masked: int | torch.Tensor = 0  # velocity entries zeroed by momentum-factor masking
         self.selection = SelectionStats()
         self._sel_gen = torch.Generator(device=self.device).manual_seed(1234 + topology.rank)
         self.bucket_timings: list[tuple[int, float, float]] | None = None  # (bucket, hook call, future done)
         # comm.mode=auto: pending until decided; what the measured step saw (bucket calls, elements, buckets)
         self._auto_pending = self.auto and self.world_size > 1
         self._auto_hier_ready = False
-        self._auto_first: float | None = None
-        self._auto_last = 0.0
+        # Marks (_clock_mark) of the first and last bucket of the step being measured, and of the last one measured.
+        self._auto_first: Any = None
+        self._auto_last: Any = None
         self._auto_elements = self._auto_buckets = self._auto_steps = 0
-        self._auto_window = 0.0
+        self._auto_window: tuple[Any, Any] | None = None
+        # fp16 loss scaling (follow_loss_scale): the scaler, this step's scale S and 1/S (device tensors), and the
+        # journal of slot tensors this step changed, each with its value before (settled at the next step).
+        self._scaler: Any = None
+        self._scale_t: torch.Tensor | None = None
+        self._unscale_t: torch.Tensor | None = None
+        self._journal: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._journal_scale: torch.Tensor | None = None
+        self._new_step = True
         self.auto_evidence: dict[str, Any] | None = None
         if self.auto and self.world_size == 1:
             unit_log("comm_auto", "picked dense: a single worker communicates nothing", chosen="dense")
@@ -298,6 +343,39 @@ class CommHook:
                                         "block offsets of the sorted indices, 4 bytes an entry"
                                         if c.payload == "compact" else "fp32: fp32 values and int32 indices, "
                                         "8 bytes an entry"), payload=c.payload)
+
+    def follow_loss_scale(self, scaler: torch.amp.GradScaler | None) -> None:
+        """Follow ``scaler``'s loss scale (fp16): residuals and velocities are kept unscaled, and a step the
+        scaler skips for an overflow leaves them as they were. A disabled scaler (bf16, fp32) is ignored.
+
+        The hook holds the scaler, not a number: ``get_scale()`` returns a float, which waits for the device
+        at every step, and the scale tensor itself does not exist until the first ``scaler.scale(loss)``. The
+        hook reads the scaler's ``_scale`` tensor at each step's first bucket (after ``scale(loss)``, before
+        ``update()``), on the device, without a host read.
+
+        Why unscaled: the scale changes (halved at an overflow, doubled every ``growth_interval`` steps), and a
+        residual written at one scale and sent at another would be delivered that many times too large or too
+        small. ``S`` is a power of two, so dividing by it on write and multiplying on read are exact.
+
+        Why the journal: the scaler skips a step when the *averaged* gradient holds inf or nan. A bucket with an
+        overflow on one rank is sent as nan (``_sparsify``), so every rank's scaler sees it; but the other ranks,
+        and the other buckets, updated their residuals for a step that then never happened. Which step was
+        skipped is known only after ``scaler.update()``: it lowered the scale (its backoff factor is < 1, and it
+        backs off exactly when it skipped). So each slot tensor a step changes is copied first, and at the next
+        step's first bucket ``torch.where(scale now < scale then, copy, value)`` puts back the copies of a
+        skipped step, on the device.
+        """
+        self._scaler = scaler if scaler is not None and scaler.is_enabled() else None
+
+    @property
+    def clipped(self) -> int:
+        """Bucket-steps whose local gradient was clipped (reads the device: for reports)."""
+        return int(self._clipped)
+
+    @property
+    def masked_entries(self) -> int:
+        """Velocity entries zeroed by momentum-factor masking (reads the device: for reports)."""
+        return int(self._masked)
 
     def optimizer_momentum(self, momentum: float) -> float:
         """Record the schedule's momentum for this step; return the momentum the optimizer should use.
@@ -415,7 +493,7 @@ class CommHook:
         if self._auto_steps >= AUTO_MEASURE_STEPS and self._auto_first is None:
             self._auto_decide(device)
             return
-        now = time.perf_counter()
+        now = _clock_mark(device)
         if self._auto_first is None:
             self._auto_first, self._auto_elements, self._auto_buckets = now, 0, 0
         self._auto_last = now
@@ -428,7 +506,8 @@ class CommHook:
         half = comm_auto.half_mode(device)
         compress = comm_auto.time_compression(n, c.ratio, c.selection, device, payload=c.payload)
         cast = comm_auto.time_cast(n, torch.float16 if half == "fp16" else torch.bfloat16, device)
-        t = torch.tensor([compress, cast, self._auto_window], dtype=torch.float64, device=device)
+        window = _clock_span(*self._auto_window) if self._auto_window is not None else 0.0
+        t = torch.tensor([compress, cast, window], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # every rank decides on the same inputs, so the same way
         costs = comm_auto.StepCosts(elements=n, buckets=self._auto_buckets, ratio=c.ratio, compress_s=float(t[0]),
                                     cast_s=float(t[1]), overlap_s=float(t[2]), payload=c.payload)
@@ -450,9 +529,11 @@ class CommHook:
             self._layouts_done, self._layouts_now = self._layouts_now, {}
         self._replay = {}  # one step replays the saved layouts; DDP has rebuilt its buckets by the next
         if self._auto_pending and self._auto_first is not None:
-            self._auto_window = self._auto_last - self._auto_first  # backward from the first bucket to the last
+            # backward from the first bucket to the last; measured when deciding (a CUDA event's time waits for it)
+            self._auto_window = (self._auto_first, self._auto_last)
             self._auto_first = None
             self._auto_steps += 1
+        self._new_step = True
         if self._step_was_dense:
             self.dense_steps += 1
             if self._force_dense > 0 and self.step >= self.cfg.warmup_steps:
@@ -513,6 +594,8 @@ class CommHook:
     def _reduce(self, buf: torch.Tensor, layout: Layout, index: int, sync: bool) -> torch.Tensor | torch.futures.Future:
         world = self.world_size
         n = buf.numel()
+        if self._new_step:
+            self._begin_step()
         if self._need_agree:
             self._agree(buf.device)
         if self._auto_pending:
@@ -544,10 +627,13 @@ class CommHook:
         completion callback, where touching the slot store could race with the next bucket's lookup.
         """
         u = self._slots["dense_momentum"].get(index, layout, buf.numel(), buf.device)
-        momentum, nesterov = self.momentum, self.nesterov
+        self._journal_add(u)
+        momentum, nesterov, scale, unscale = self.momentum, self.nesterov, self._scale_t, self._unscale_t
 
         def post(mean: torch.Tensor) -> torch.Tensor:
-            return accumulate_velocity(u, mean.float(), momentum, nesterov).to(mean.dtype)
+            g = mean.float() if unscale is None else mean.float() * unscale  # the velocity is kept unscaled
+            out = accumulate_velocity(u, g, momentum, nesterov)
+            return (out if scale is None else out * scale).to(mean.dtype)
 
         return post
 
@@ -600,20 +686,26 @@ class CommHook:
         node's sum over its chunk). Clipping, then velocity (momentum correction), then the residual.
         """
         c = self.cfg
+        coef = self._unscale_t  # 1/S under fp16 loss scaling: the state is kept unscaled (follow_loss_scale)
         if c.local_clip > 0:
             self.clip_checks += 1
-            g, was = clip_local(g, c.local_clip, self.world_size)
-            self.clipped += int(was)
+            factor, clipped = clip_factor(g, c.local_clip, self.world_size, coef)
+            self._clipped = self._clipped + clipped.long()
+            coef = factor if coef is None else factor * coef
+        if coef is not None:
+            g = g * coef
         u = None
         acc = g
         if self.momentum_correction:
             u = self._local_velocity(index, layout, n, g.device, velocity_scale)[lo:hi]
+            self._journal_add(u)
             acc = accumulate_velocity(u, g, self.momentum, self.nesterov)
         residual = None
         if c.error_feedback:
             # Accumulate in place: the residual becomes the accumulator, and _sparsify zeroes what it sends
             # (one pass over the bucket fewer than a separate sum and copy-back).
             residual = self._residual(index, layout, n, g.device)[lo:hi]
+            self._journal_add(residual)
             acc = residual.add_(acc)
         return acc, residual, u
 
@@ -621,52 +713,58 @@ class CommHook:
         """(indices to send, None or a mask of the real ones): the top ``ratio`` of the whole of ``acc``, or,
         with ``segments`` (per-parameter sizes, ``comm.per_layer``), of each parameter, as DGC selects per
         layer so that a layer of small gradients is not starved by a layer of large ones in one bucket.
-        Padding entries (index 0, sent with value 0) fill up where the sampled selection found fewer."""
+        Padding entries (value 0, at their part's first index) fill up where the sampled selection found fewer;
+        the mask is built on the device from the padding counts, which are never read on the host."""
         mag = acc.abs()
         parts = [(0, acc.numel())]
         if segments:
             offs = [0, *itertools.accumulate(segments)]
             parts = list(zip(offs[:-1], segments))
-        idxs, masks, padded = [], [], False
+        idxs, pads = [], []
         for off, size in parts:
             kk = k_for(self.ratio_now, size)
             i, pad = select(mag[off:off + size] if segments else mag, kk, self.cfg.selection, self._sel_gen,
                             self.selection)
             idxs.append(i + off if off else i)
-            m = torch.ones(kk, dtype=torch.bool, device=acc.device)
-            if pad:
-                m[kk - pad:] = False
-                idxs[-1][kk - pad:] = 0
-                padded = True
-            masks.append(m)
+            pads.append((kk, pad))
         idx = idxs[0] if len(idxs) == 1 else torch.cat(idxs)
-        return idx, (torch.cat(masks) if padded else None)
+        if all(pad is None for _, pad in pads):
+            return idx, None
+        real = torch.cat([torch.arange(kk, device=acc.device) < kk - pad if pad is not None
+                          else torch.ones(kk, dtype=torch.bool, device=acc.device) for kk, pad in pads])
+        return idx, real
 
     def _sparsify(self, acc: torch.Tensor, residual: torch.Tensor | None,
                   velocity: torch.Tensor | None = None, segments: list[int] | None = None) -> tuple[torch.Tensor, int]:
         """Pack the top-k of ``acc`` per ``comm.payload`` (``app.train.compress.pack``); updates ``residual``
         (and, with momentum masking, ``velocity``) in place at the sent indices: with the compact payload the
-        residual keeps each sent value's fp16 rounding error, so residual + sent equals ``acc`` exactly."""
-        idx, mask = self._select(acc, segments)
+        residual keeps each sent value's fp16 rounding error, so residual + sent equals ``acc`` exactly.
+
+        Under fp16 loss scaling ``acc`` is unscaled and the values are scaled by S for the wire (fp16's range is
+        what the loss scale is for). A bucket holding inf or nan goes out as nan in every value, whichever
+        entries were selected, so that every rank's averaged gradient shows the overflow to its GradScaler.
+        No host read anywhere: fixed-size tensors, ``torch.where`` and index_add_ instead of masks."""
+        finite = torch.isfinite(acc).all()  # before the residual (which may be acc) changes below
+        idx, real = self._select(acc, segments)
         k = idx.numel()
         payload = self.cfg.payload
         vals = acc[idx].float()
-        real = idx
-        if mask is not None:
-            vals[~mask] = 0.0
-            real = idx[mask]
-        sent = quantize(vals, payload)
+        wire = vals if self._scale_t is None else vals * self._scale_t
+        if real is not None:
+            wire = torch.where(real, wire, 0.0)
+        sent = quantize(wire, payload)
         if residual is not None:
             if residual is not acc:
                 residual.copy_(acc)
-            if payload == "fp32":
-                residual[real] = 0.0
-            else:  # the compact payload's rounding error stays behind, to be sent later
-                err = vals - sent
-                residual[real] = err if mask is None else err[mask]
+            # acc - sent at the sent indices: 0 for the fp32 payload, the rounding error for the compact one;
+            # padding (value 0) adds nothing, also where its index is a real entry's.
+            back = sent if self._unscale_t is None else sent * self._unscale_t
+            residual.index_add_(0, idx, back.neg())
         if velocity is not None and self.cfg.momentum_masking:
-            velocity[real] = 0.0
-            self.masked_entries += real.numel()
+            drop = velocity[idx].neg()
+            velocity.index_add_(0, idx, drop if real is None else torch.where(real, drop, 0.0))
+            self._masked = self._masked + (k if real is None else real.sum())
+        sent = torch.where(finite, sent, math.nan)
         return pack(sent, idx, acc.numel(), payload), k
 
     def _scatter_sum(self, parts: list[torch.Tensor], k: int, n: int, device: torch.device) -> torch.Tensor:
@@ -738,16 +836,75 @@ class CommHook:
         return self._slots["residual"].get(index, layout, n, device)
 
     def residuals(self) -> dict[str, torch.Tensor]:
-        """Per-parameter residuals (flat, fp32, on CPU), keyed by parameter name."""
-        return self._slots["residual"].per_param()
+        """Per-parameter residuals (flat, fp32, on CPU, unscaled under fp16 loss scaling), keyed by parameter
+        name; as the loss scaler's decision on the last step leaves them (see ``_as_decided``)."""
+        with self._as_decided():
+            return self._slots["residual"].per_param()
 
     def velocities(self) -> dict[str, torch.Tensor]:
-        """Per-parameter local velocities of momentum correction (flat, fp32, on CPU)."""
-        return self._slots["momentum"].per_param()
+        """Per-parameter local velocities of momentum correction (flat, fp32, on CPU, unscaled like residuals)."""
+        with self._as_decided():
+            return self._slots["momentum"].per_param()
+
+    # --- fp16 loss scaling (follow_loss_scale) ------------------------------------------------------
+    def _scaler_scale(self) -> torch.Tensor | None:
+        return None if self._scaler is None else getattr(self._scaler, "_scale", None)
+
+    def _begin_step(self) -> None:
+        """At a step's first bucket: settle the last step's journal, take this step's loss scale."""
+        self._new_step = False
+        now = self._scaler_scale()
+        self._settle(now)
+        if now is None:
+            self._scale_t = self._unscale_t = None
+            return
+        self._scale_t = now.clone()  # the scaler's tensor changes in place at update()
+        self._unscale_t = self._scale_t.reciprocal()
+        self._journal_scale = self._scale_t
+
+    def _journal_add(self, t: torch.Tensor) -> None:
+        """Keep ``t``'s value before this step changes it in place (only under loss scaling: only then can a step
+        be skipped)."""
+        if self._scale_t is not None:
+            self._journal.append((t, t.clone()))
+
+    def _skipped(self, now: torch.Tensor | None) -> torch.Tensor | None:
+        """Whether the scaler skipped the journal's step (a 0-d bool on the device), None when it cannot say."""
+        if not self._journal or now is None or self._journal_scale is None:
+            return None
+        return now < self._journal_scale
+
+    def _settle(self, now: torch.Tensor | None) -> None:
+        skipped = self._skipped(now)
+        if skipped is not None:
+            for live, before in reversed(self._journal):  # reversed: a tensor changed twice gets its first copy
+                torch.where(skipped, before, live, out=live)
+        self._journal = []
+
+    @contextlib.contextmanager
+    def _as_decided(self) -> Iterator[None]:
+        """The slot state as the scaler's decision on the last step leaves it, without settling it: read before
+        ``scaler.update()``, the step still counts; the next step's first bucket settles it for good."""
+        skipped = self._skipped(self._scaler_scale())
+        if skipped is None:
+            yield
+            return
+        kept = [live.clone() for live, _ in self._journal]
+        for live, before in reversed(self._journal):
+            torch.where(skipped, before, live, out=live)
+        try:
+            yield
+        finally:
+            for (live, _), value in zip(self._journal, kept):
+                live.copy_(value)
 
     # --- checkpoint ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """This worker's state: residuals per parameter name, step count, byte counters, topology."""
+        with self._as_decided():
+            return self._state_dict()
+
+    def _state_dict(self) -> dict:
         sd: dict[str, Any] = {
             "version": STATE_VERSION, "mode": self.mode, "rank": self.topology.rank,
             "world_size": self.world_size, "num_nodes": self.topology.num_nodes,
@@ -761,6 +918,7 @@ class CommHook:
             "auto_choice": self.mode if self.auto and not self._auto_pending else None,
             "bucket_layouts": {i: [[name, numel] for name, numel in layout]
                                for i, layout in sorted(self._layouts_done.items())},
+            "residual_units": "unscaled",  # by the fp16 loss scale (older states kept them scaled)
         }
         if self._psgd is not None:
             sd["powersgd"] = _powersgd_state(self._psgd)
@@ -781,8 +939,10 @@ class CommHook:
         self.dense_bytes = int(sd.get("dense_bytes", 0))
         self.dense_steps = int(sd.get("dense_steps", 0))
         self.compressed_steps = int(sd.get("compressed_steps", 0))
+        vel_saved = bool(sd.get("momentum") or sd.get("dense_momentum"))
         for store in self._slots.values():
             store.clear()
+        self._journal, self._new_step = [], True  # the journal's tensors belonged to the state just replaced
         changes = []
         if int(sd["world_size"]) != world_size:
             changes.append(f"world size {sd['world_size']} -> {world_size}")
@@ -797,6 +957,10 @@ class CommHook:
             unit_log("comm_auto", f"kept {self.mode} from the checkpoint (same worker layout)", chosen=self.mode)
         if int(sd["rank"]) != self.topology.rank:
             changes.append(f"state of rank {sd['rank']} loaded on rank {self.topology.rank}")
+        if self._scaler is not None and sd.get("residual_units") != "unscaled" and (sd["residuals"] or vel_saved):
+            # saved times the loss scale of their step, which the hook cannot know: sent as they are, they would
+            # be that many times too large
+            changes.append("residuals saved loss-scaled by an older version")
         if sd["mode"] != self.mode:
             changes.append(f"mode {sd['mode']} -> {self.mode}")
         self._need_agree = True
@@ -836,9 +1000,7 @@ class CommHook:
                 "comm_clipped_buckets": self.clipped, "comm_clip_checks": self.clip_checks,
                 "comm_masked_entries": self.masked_entries, "comm_selection": self.cfg.selection,
                 "comm_payload": self.cfg.payload,
-                "comm_selection_calls": self.selection.calls, "comm_selection_sampled": self.selection.sampled,
-                "comm_selection_fallbacks": self.selection.fallbacks,
-                "comm_selection_padded_entries": self.selection.padded_entries}
+                **{f"comm_selection_{k}": v for k, v in self.selection.plain().items()}}
 
     def _dgc_summary(self) -> str:
         """What each DGC unit and the selection did so far (a unit that changed nothing says so)."""
@@ -855,11 +1017,11 @@ class CommHook:
                          f"{self.epochs_done:.2f}")
         else:
             parts.append("sparsity warm-up off")
-        sel = self.selection
+        sel = self.selection.plain()
         what = f"{c.payload} payload, {c.selection} selection{' per parameter' if c.per_layer else ''}"
         if c.selection == "sampled":
-            what += (f": {sel.sampled} of {sel.calls} by sampled threshold, {sel.fallbacks} exact fallbacks, "
-                     f"{sel.padded_entries} padded entries")
+            what += (f": {sel['sampled']} of {sel['calls']} by sampled threshold, {sel['fallbacks']} with a count "
+                     f"off [{LOW:g} k, {HIGH:g} k], {sel['padded_entries']} padded entries")
         parts.append(what)
         return ", ".join(parts)
 

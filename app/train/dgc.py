@@ -35,13 +35,27 @@ def warmup_ratio(target: float, start: float, warmup_epochs: float, epochs_done:
     return start * (target / start) ** frac
 
 
-def clip_local(g: torch.Tensor, max_norm: float, world: int) -> tuple[torch.Tensor, bool]:
-    """``g`` scaled to L2 norm ``max_norm / sqrt(world)`` when larger; (tensor, whether it was clipped)."""
+def clip_factor(g: torch.Tensor, max_norm: float, world: int,
+                unscale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(factor, clipped): what ``g`` is multiplied by to bring its L2 norm to ``max_norm / sqrt(world)`` when
+    larger (1 otherwise), and whether it was clipped, both 0-d device tensors, so the step never reads the norm
+    on the host. With ``unscale`` (1 / the loss scale) the norm compared is the unscaled gradient's, and the
+    factor does not include ``unscale``.
+
+    In float64, as the division of Python floats it replaces was, so the clipped gradient is the same to the bit.
+    """
     limit = max_norm / math.sqrt(max(1, world))
-    norm = float(torch.linalg.vector_norm(g))
-    if norm <= limit or norm == 0.0:
-        return g, False
-    return g * (limit / norm), True
+    norm = torch.linalg.vector_norm(g).double()
+    if unscale is not None:
+        norm = norm * unscale
+    clipped = norm > limit  # false for a zero norm and for nan, which must not be scaled
+    return torch.where(clipped, limit / norm, 1.0), clipped
+
+
+def clip_local(g: torch.Tensor, max_norm: float, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``g`` scaled to L2 norm ``max_norm / sqrt(world)`` when larger; (tensor, whether it was clipped: 0-d bool)."""
+    factor, clipped = clip_factor(g, max_norm, world)
+    return g * factor, clipped
 
 
 def accumulate_velocity(u: torch.Tensor, g: torch.Tensor, momentum: float, nesterov: bool) -> torch.Tensor:

@@ -164,6 +164,7 @@ class Trainer:
         self._build_model(num_classes, topology)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         self.scaler = dev.make_grad_scaler(self.precision, self.device)
+        self.comm.follow_loss_scale(self.scaler)  # fp16: residuals kept unscaled, left as they were by a skipped step
         self.ema = ModelEMA(self.model, cfg.optim.ema_decay) if cfg.optim.ema_decay > 0 else None
         self.loss_fn = build_loss(cfg.optim)
         self.head_warmup = HeadWarmup(self.model, cfg.model.head_warmup_epochs, spec.train_size, cfg.model.pretrained)
