@@ -355,6 +355,15 @@ def inter_node_bytes_figure(arch: str, n: int, bytes_pass: dict[str, Any], nodes
     return fig, goal
 
 
+def inter_node_bytes_16_nodes(fig: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The 16-node inter-node bytes of hierarchical top-k at ``RATIO``, compact payload, from the figure above. It is
+    scaled by formula from the simulated nodes here, never measured on 16 nodes: labelled ``modelled``."""
+    return {"value": fig["modelled"][f"{RATIO:g}"]["compact"]["hierarchical_topk_inter_node_bytes"], "kind": "modelled",
+            "what": f"hierarchical top-k inter-node bytes per node link and step, ratio {RATIO:g}, compact payload, "
+                    f"{NODES} nodes x {GPUS_PER_NODE} GPUs, {arch}",
+            "how": fig["formula"]}
+
+
 def measure(arch: str, workers: int, steps: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
         mp.spawn(_measure_worker, args=(workers, folder, arch, steps), nprocs=workers, join=True)
@@ -489,6 +498,28 @@ def accuracy(storage: str, extra: list[str], epochs: float | None, plain: bool,
     return out
 
 
+def overhead_only(args: argparse.Namespace, machine: Machine, argv: list[str] | None) -> None:
+    """The compression's own compute per comm mode at ResNet-50 size on ``--device``: dense costs nothing;
+    fp16/bf16 one cast of the gradient (bf16 timed; fp16 is the same size); topk and hierarchical_topk the
+    hook's selection, packing and error feedback (exact and sampled selection, with and without the DGC units).
+    PowerSGD's compute is not timed here (the projection keeps it at 0: a lower bound)."""
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench.comm --overhead-only: --device cuda but no CUDA device is visible")
+    over = compress_overhead(args.overhead_batch, RATIO, reps=args.overhead_reps, device=device)
+    sel = over["seconds"][SELECTION]
+    per_mode = {"dense": 0.0, "fp16": over["cast_bf16_s"], "bf16": over["cast_bf16_s"], "topk": sel,
+                "hierarchical_topk": sel, "powersgd": None}
+    figures = {"compress_overhead": over, "per_mode_s": per_mode, "selection": SELECTION, "ratio": RATIO,
+               "compression_cost_measured_on": device.type,
+               "per_mode_frac_of_forward_backward": {m: None if v is None else round(v / over["forward_backward_s"], 4)
+                                                     for m, v in per_mode.items()}}
+    ratios = {"dgc_over_plain_sampled": round(over["seconds"]["sampled_dgc"] / max(over["seconds"]["sampled"], 1e-9),
+                                              3),
+              "sampled_over_exact": round(over["seconds"]["sampled"] / max(over["seconds"]["exact"], 1e-9), 3)}
+    emit("comm", figures, ratios, machine.finish(argv, backend=f"none (compute only, {device.type})"))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.comm", description=__doc__.split("\n")[0])
     ap.add_argument("--workers", type=int, default=4, help="gloo processes (2..4)")
@@ -505,14 +536,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--storage", default="", help="run folder root for the accuracy part (default: a temp dir)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra config override for the accuracy runs (e.g. data.train_size=2000)")
+    ap.add_argument("--overhead-only", action="store_true",
+                    help="only the compression's own compute per mode at ResNet-50 size, on --device (no gloo "
+                         "processes, no projection): bench/gpu_suite.sh's step")
+    ap.add_argument("--device", default="cpu", help="with --overhead-only: cpu or cuda")
+    ap.add_argument("--overhead-reps", type=int, default=3, help="timed passes over the buckets (best is kept)")
     args = ap.parse_args(argv)
     machine = Machine()
+    if args.overhead_only:
+        overhead_only(args, machine, argv)
+        return
     if not 2 <= args.workers <= 4:
         ap.error(f"--workers: bad value {args.workers}; expected 2..4")
     figures: dict[str, Any] = {"ratio": RATIO, "workers": args.workers, "bucket_mb": BUCKET_MB,
                                "selection": SELECTION}
     ratios: dict[str, float] = {}
-    over = compress_overhead(args.overhead_batch, RATIO)
+    over = compress_overhead(args.overhead_batch, RATIO, reps=args.overhead_reps)
     figures["compress_overhead"] = over
     figures["compress_overhead_frac"] = over[f"frac_{SELECTION}"]
     src, src_label = over, "measured on this CPU at ResNet-50 size (an upper bound for a GPU), scaled by elements"
@@ -521,6 +560,9 @@ def main(argv: list[str] | None = None) -> None:
         figures["compress_overhead_gpu"] = gpu
         figures["compress_overhead_frac_gpu"] = gpu[f"frac_{SELECTION}"]
         src, src_label = gpu, f"measured on {torch.cuda.get_device_name()} at ResNet-50 size, scaled by elements"
+    # Where the compression costs that feed the projection and the crossover were measured: until the suite has
+    # run on a GPU, a CPU's figure (an upper bound), and every reader of the crossover must see that.
+    figures["compression_cost_measured_on"] = "cuda" if src is not over else "cpu"
     archs = [a.strip() for a in args.models.split(",") if a.strip()]
     bytes_passes: dict[str, Any] = {}
     for arch in archs:
@@ -568,6 +610,7 @@ def main(argv: list[str] | None = None) -> None:
         fig, goal = inter_node_bytes_figure(head, figures[head]["elements"], bytes_passes[head],
                                             args.workers // per_node, per_node)
         figures["inter_node_bytes_dense_over_hierarchical_topk"] = fig
+        figures["inter_node_bytes_16_nodes"] = inter_node_bytes_16_nodes(fig, head)
         goals["inter_node_bytes_100x"] = goal
         for key, g in goal.items():
             if isinstance(g, dict) and g.get("counted") is not None:
@@ -576,7 +619,11 @@ def main(argv: list[str] | None = None) -> None:
         figures["crossover_gbps"] = {m: r["crossover_gbps"] for m, r in proj["modes"].items() if m != "dense"}
         figures["crossover_gbps_for"] = (f"{head}, {NODES} nodes x {GPUS_PER_NODE} V100, modelled "
                                          f"({figures[head]['projection_16x8_v100_25gbps']['model']}); inputs under "
-                                         f"{head}.projection_16x8_v100_25gbps.inputs; None: never faster than dense")
+                                         f"{head}.projection_16x8_v100_25gbps.inputs; None: never faster than dense; "
+                                         f"compression costs measured on "
+                                         f"{figures['compression_cost_measured_on']}"
+                                         + (" (an upper bound for a GPU)"
+                                            if figures["compression_cost_measured_on"] == "cpu" else ""))
         figures["auto_mode"] = {"picks_at_25gbps": proj["auto_picks"], "why": proj["auto_why"]}
     figures["goals"] = goals
     if args.accuracy:

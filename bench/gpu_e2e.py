@@ -209,10 +209,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="tiers up to this size are stored decoded (device augmentation on a GPU); larger are JPEG")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU: the same entry points, no GPU")
     ap.add_argument("--keep", default="", help="folder for the data and the run (kept; reused source)")
+    ap.add_argument("--phases", default=",".join(str(r) for r, _b, _m in PHASES),
+                    help="which phases to run, by resolution (a dry run takes its tiny phases at the same places)")
     args = ap.parse_args(argv)
     machine = Machine()
     dry = args.dry_run
-    phases = DRY_PHASES if dry else PHASES
+    want = [int(r) for r in args.phases.split(",") if r.strip()]
+    known = [r for r, _b, _m in PHASES]
+    if not want or any(r not in known for r in want):
+        ap.error(f"--phases: bad value {args.phases!r}; allowed: a comma list of {known}")
+    # A subset keeps each phase's batch and crop scale: the suite's 128 px run is the full run's first phase.
+    phases = [(DRY_PHASES if dry else PHASES)[known.index(r)] for r in want]
     size = (64, 48) if dry else (500, 375)
     if dry:
         args.images, args.val_images, args.classes, args.raw_max = min(args.images, 96), 16, 4, 48

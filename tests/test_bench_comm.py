@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import bench.comm as bench_comm
 from app.train import comm_auto
 from bench.comm import PROJECTED_MODES, _buckets, _Handed, _overlap, crossover_here, project
 
@@ -80,3 +81,35 @@ def test_handed_bytes_count_the_tensors_given_to_collectives(tmp_path):
     finally:
         dist.all_reduce, dist.all_gather = orig
         dist.destroy_process_group()
+
+
+def test_the_16_node_bytes_are_labelled_modelled_and_the_crossover_says_where_compression_was_timed(monkeypatch):
+    """Until the suite has run on a GPU, the crossover's compression costs are a CPU's and the 16-node inter-node
+    bytes are a formula over two simulated nodes: the JSON must say both."""
+    n = 1_000_000
+    counted = {"dense": {"by_group": {"world": 4 * n}, "modelled_inter_node": 0}}
+    for ratio in bench_comm.BYTES_RATIOS:
+        for payload in ("compact", "fp32"):
+            counted[f"hierarchical_topk/{ratio:g}/{payload}"] = {"by_group": {"cross_node": int(4 * ratio * n)},
+                                                                 "modelled_inter_node": 0}
+    fig, _ = bench_comm.inter_node_bytes_figure("resnet50", n, counted, 2, 2)
+    got = bench_comm.inter_node_bytes_16_nodes(fig, "resnet50")
+    assert got["kind"] == "modelled" and got["value"] > 0
+    assert got["value"] == fig["modelled"]["0.01"]["compact"]["hierarchical_topk_inter_node_bytes"]
+    # The whole main() with the gloo part stubbed out: the labels sit in the emitted JSON.
+    lines = []
+    fake = {"elements": n, "seconds": {"exact": 0.2, "sampled": 0.01, "sampled_dgc": 0.02,
+                                       "sampled_dgc_per_layer": 0.02}, "cast_bf16_s": 0.001,
+            "forward_backward_s": 1.0, "frac_sampled": 0.01}
+    step = {"handed_bytes": 4 * n, "handed_by_group": {"world": 4 * n}, "bytes": 4 * n, "inter_bytes": 2 * n,
+            "step_s": 0.1, "backward_s": 0.05, "overlap_frac": 0.5, "window_share": 0.8, "buckets": [], "comm_s": 0.01}
+    monkeypatch.setattr(bench_comm, "compress_overhead", lambda *a, **k: fake)
+    monkeypatch.setattr(bench_comm, "measure", lambda arch, w, s: {"bytes_pass": counted, "elements": n, "dense": step,
+                                                                   **{m: step for m in bench_comm.MODES}})
+    monkeypatch.setattr(bench_comm.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(bench_comm, "emit", lambda b, f, r, m: lines.append(f))
+    bench_comm.main(["--models", "resnet18", "--workers", "2"])
+    figures = lines[0]
+    assert figures["compression_cost_measured_on"] == "cpu"
+    assert "measured on cpu" in figures["crossover_gbps_for"]
+    assert figures["inter_node_bytes_16_nodes"]["kind"] == "modelled"

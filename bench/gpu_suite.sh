@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The one-GPU suite (issue 27 item 6): one command, under 8 minutes on one GPU with 16 cores. Steps, each under
+# its own timeout, raw logs kept, one summary line per step at the end, then one JSON line on stdout:
+#   env         versions, nvidia-smi, torch.cuda device properties, nvJPEG decode of 1 and 256 JPEGs timed
+#   tput128     synthetic ResNet-50 img/s at 128 px: lightray vs plain PyTorch done right (bf16, channels_last,
+#   tput224     cudnn.benchmark, both eager: the same compile setting)  -- and at 224 px
+#   e2e         the whole stack from JPEGs at 128 px vs synthetic on the same model (bench/gpu_e2e.py)
+#   pipeline    device decode and device augmentation vs the CPU path, per core (bench/pipeline.py --quick)
+#   comm        the compression's own compute per comm mode at ResNet-50 size on the GPU (bench/comm.py)
+#   resume      a smoke run stopped and resumed on the GPU against an uninterrupted one (bench/gpu_resume.py)
+#   sync        the steady-state step under CUDA's sync debug mode (tests/test_step_sync.py)
+#
+#   bash bench/gpu_suite.sh             # on the GPU machine, from anywhere
+#   bash bench/gpu_suite.sh --dry-run   # tiny sizes on the CPU: the same entry points; CUDA-only steps say skipped
+#
+# Logs: $OUT_DIR, else $OUT (the device tool brings it back), else bench/gpu_suite_logs/<date>. Exit status 0
+# when every step passed (dry run: passed or skipped as expected), 1 otherwise.
+set -u  # no set -e: a failing step must never stop the others
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+command -v "$PY" >/dev/null 2>&1 || PY=python
+DRY=0
+for a in "$@"; do
+  case "$a" in
+    --dry-run) DRY=1 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    *) echo "gpu_suite.sh: unknown argument '$a'; expected --dry-run or nothing" >&2; exit 2 ;;
+  esac
+done
+OUT_DIR="${OUT_DIR:-${OUT:-bench/gpu_suite_logs/$(date +%Y%m%d-%H%M%S)}}"
+mkdir -p "$OUT_DIR"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false
+STEPS=(env tput128 tput224 e2e pipeline comm resume sync)
+SYNC_TEST=tests/test_step_sync.py::test_steady_state_steps_never_synchronise_with_the_host
+
+if [ "$DRY" = 1 ]; then
+  # Generous limits: the dry run checks the scripts, and this may be a shared 2-core machine.
+  declare -A BUDGET=([env]=60 [tput128]=90 [tput224]=90 [e2e]=240 [pipeline]=240 [comm]=120 [resume]=60 [sync]=90)
+  ENV_ARGS=(--dry-run)
+  TPUT_ARGS=(--cpu-dry-run --arch resnet_tiny --variants plain,plain_bf16,lightray)
+  TPUT128=("${TPUT_ARGS[@]}"); TPUT224=("${TPUT_ARGS[@]}")
+  E2E_ARGS=(--dry-run --phases 128)
+  PIPE_ARGS=(--cpu-dry-run)
+  COMM_ARGS=(--overhead-only --device cpu --overhead-batch 1 --overhead-reps 1)
+  RESUME_ARGS=(--dry-run)
+else
+  # Seconds per step; they sum to 445 so the suite, with Python's start-ups and the summary, stays under 480.
+  # tput: eager (compile would cost about a minute per size and variant); 10 warm-up steps cover cuDNN's search.
+  # e2e: 6000 JPEGs = 23 steps of 256 at 128 px, enough report windows after the compile window.
+  declare -A BUDGET=([env]=30 [tput128]=40 [tput224]=60 [e2e]=130 [pipeline]=60 [comm]=30 [resume]=65 [sync]=30)
+  ENV_ARGS=(--batch 256)
+  TPUT_ARGS=(--arch resnet50 --batch 256 --warmup 10 --steps 20 --windows 3 --variants plain_bf16,lightray)
+  TPUT128=("${TPUT_ARGS[@]}" --res 128); TPUT224=("${TPUT_ARGS[@]}" --res 224)
+  E2E_ARGS=(--phases 128 --images 6000 --val-images 256)
+  PIPE_ARGS=(--quick)
+  COMM_ARGS=(--overhead-only --device cuda --overhead-batch 64)
+  RESUME_ARGS=()
+fi
+
+run_step() {  # name command...: the step under its budget, stdout and stderr into its log
+  local name="$1"; shift
+  local t0; t0=$(date +%s)
+  echo "[gpu_suite $(date +%H:%M:%S)] $name (limit ${BUDGET[$name]} s): $*" >&2
+  timeout -k 10 "${BUDGET[$name]}" "$@" >"$OUT_DIR/$name.log" 2>&1
+  echo $? >"$OUT_DIR/$name.rc"
+  echo $(( $(date +%s) - t0 )) >"$OUT_DIR/$name.s"
+}
+
+run_step env "$PY" -m bench.gpu_env "${ENV_ARGS[@]}"
+run_step tput128 "$PY" -m bench.gpu_throughput "${TPUT128[@]}"
+run_step tput224 "$PY" -m bench.gpu_throughput "${TPUT224[@]}"
+run_step e2e "$PY" -m bench.gpu_e2e "${E2E_ARGS[@]}"
+run_step pipeline "$PY" -m bench.pipeline "${PIPE_ARGS[@]}"
+run_step comm "$PY" -m bench.comm "${COMM_ARGS[@]}"
+run_step resume "$PY" -m bench.gpu_resume "${RESUME_ARGS[@]}"
+# -rs: the skip reason reaches the log; -p no:cacheprovider: no .pytest_cache written into the tree.
+run_step sync "$PY" -m pytest -q -rs -p no:cacheprovider "$SYNC_TEST"
+
+budgets=""
+for s in "${STEPS[@]}"; do budgets="$budgets $s=${BUDGET[$s]}"; done
+"$PY" -m bench.gpu_suite_summary "$OUT_DIR" "$DRY" $budgets

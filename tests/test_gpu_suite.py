@@ -1,0 +1,55 @@
+"""bench/gpu_suite.sh, the one-GPU suite, where this machine can check it: the script parses, a step's status
+follows from its exit status and log, and its dry run drives every step's real entry point on the CPU to one
+summary line per step and the suite's JSON line."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+from bench.gpu_suite_summary import key_figures, last_json, status
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+STEPS = ("env", "tput128", "tput224", "e2e", "pipeline", "comm", "resume", "sync")
+
+
+def test_gpu_suite_script_is_valid_bash():
+    out = subprocess.run(["bash", "-n", str(ROOT / "bench" / "gpu_suite.sh")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_a_step_is_ok_only_with_its_json_line_and_a_cuda_skip_passes_only_in_the_dry_run():
+    res = last_json('noise\n{"bench": "x", "figures": {}, "ratios": {}}\n')
+    assert res["bench"] == "x"
+    assert status("env", 0, res, {}, dry=False) == "ok"
+    assert status("env", 0, None, {}, dry=False).startswith("failed")
+    assert status("env", 124, None, {}, dry=False) == "timeout"
+    assert status("env", 3, res, {}, dry=False) == "failed (3)"
+    skipped = key_figures("sync", None, "s\n1 skipped in 2.1s\n")
+    assert status("sync", 0, None, skipped, dry=True) == "skipped (no CUDA)"
+    assert status("sync", 0, None, skipped, dry=False).startswith("failed")  # on the GPU, a skip is a failure
+    assert status("sync", 0, None, key_figures("sync", None, "1 passed in 9s"), dry=False) == "ok"
+
+
+@pytest.mark.slow
+def test_gpu_suite_dry_run_names_every_step_and_prints_the_json_line(tmp_path):
+    env = {**os.environ, "OUT_DIR": str(tmp_path / "logs")}
+    out = subprocess.run(["bash", "bench/gpu_suite.sh", "--dry-run"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    for step in STEPS:
+        got = [ln for ln in lines if ln.startswith(f"step {step}: ")]
+        assert len(got) == 1, out.stdout
+        assert got[0].startswith((f"step {step}: ok", f"step {step}: skipped (no CUDA)")), got[0]
+        assert (tmp_path / "logs" / f"{step}.log").is_file()
+    res = json.loads(lines[-1])
+    assert res["bench"] == "gpu_suite" and set(res["figures"]) == set(STEPS)
+    assert res["machine"]["dry_run"] is True
+    assert res["figures"]["sync"]["status"] == "skipped (no CUDA)"
+    assert res["figures"]["comm"]["figures"]["compression_cost_measured_on"] == "cpu"
+    assert res["figures"]["tput224"]["figures"]["plain_bf16_img_s"] > 0
