@@ -18,7 +18,6 @@ import json
 import multiprocessing as mp
 import os
 import pathlib
-import shutil
 import traceback
 
 import numpy as np
@@ -30,6 +29,7 @@ from app.config import ConfigError, load_config
 from app.data.plan import rank_slice
 from app.train import accumulate
 from app.train.accumulate import MicroPlan, micro_slices, micro_steps_for, plan_phase
+from tests.worker_context import FolderContext
 
 GLOBAL_BATCH, RES, TRAIN_SIZE, CLASSES = 16, 16, 64, 10  # 4 steps of 16 in the one epoch
 TOL = 1e-4
@@ -63,33 +63,11 @@ class Stream:
                        "epoch": np.full(hi - lo, epoch)}
 
 
-class Context:
+class Context(FolderContext):
     """What Ray Train gives a worker, for one rank of a gloo group."""
-
-    def __init__(self, rank: int, world: int, run_dir: str):
-        self.rank, self.world, self.run_dir = rank, world, run_dir
-        self.trainer = None
-        self.records: list[dict] = []
-
-    def log(self, record: dict) -> None:
-        self.records.append(record)
 
     def dataset_shard(self, name: str) -> Stream:
         return Stream(self, name)
-
-    def report_checkpoint(self, metrics: dict, folder: str, name: str) -> None:
-        dest = pathlib.Path(self.run_dir) / name
-        dest.mkdir(parents=True, exist_ok=True)
-        for f in os.listdir(folder):
-            shutil.copy(os.path.join(folder, f), dest / f)
-
-    def preemption_info(self):
-        return None
-
-    def topology(self):
-        from app.train.topology import Topology
-
-        return Topology.simulated(self.world, self.rank, self.world)
 
 
 def train_run(rank: int, world: int, run_dir: str, overrides: dict) -> tuple[dict, list[dict]]:

@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 from app.config import CommConfig
 from app.train.comm import CommHook
 from app.train.topology import Topology
+from tests.comm_net import batch, three_bucket_model
 
 WORLD = 2
 STEPS = 8
@@ -43,17 +44,7 @@ RUNS: dict[str, tuple[dict[str, Any], int, int, float]] = {
 }
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    # with 4 KB buckets DDP rebuilds them as [fc3], [fc2], [fc1]: an overflow in fc2 leaves two finite buckets
-    return torch.nn.Sequential(torch.nn.Linear(16, 128), torch.nn.ReLU(), torch.nn.Linear(128, 256), torch.nn.ReLU(),
-                               torch.nn.Linear(256, 4))
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 * step + rank)
-    x = torch.randn(32, 16, generator=g)
-    return x, (x[:, :4] * 3).argmax(1)
+_model, _batch = three_bucket_model, batch
 
 
 def _overflow_run(topo: Topology, rank: int, cfg: dict[str, Any], inject_step: int, value: float) -> dict[str, Any]:

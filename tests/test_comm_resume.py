@@ -27,6 +27,7 @@ from app.config import CommConfig
 from app.train.comm import CommHook
 from app.train.state import load_rank_state, save_rank_state
 from app.train.topology import Topology
+from tests.comm_net import batch, three_bucket_model
 from tests.devices import lazy_device
 
 WORLD = 2
@@ -50,17 +51,7 @@ MODES: dict[str, dict[str, Any]] = {
 LAYOUT_SENSITIVE = ("topk", "powersgd")
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    # fc2's weight (32,768 entries) alone passes the 4 KB cap: buckets [fc3], [fc2], [fc1] once rebuilt
-    return torch.nn.Sequential(torch.nn.Linear(16, 128), torch.nn.ReLU(), torch.nn.Linear(128, 256), torch.nn.ReLU(),
-                               torch.nn.Linear(256, 4))
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 * step + rank)
-    x = torch.randn(32, 16, generator=g)
-    return x, (x[:, :4] * 3).argmax(1)
+_model, _batch = three_bucket_model, batch
 
 
 class Run:

@@ -12,14 +12,14 @@ from __future__ import annotations
 import datetime
 import json
 import multiprocessing as mp
-import os
 import pathlib
-import shutil
 import time
 import traceback
 
 import numpy as np
 import pytest
+
+from tests.worker_context import FolderContext
 
 WORLD = 3
 TRAIN_SIZE = 1024
@@ -48,38 +48,26 @@ class Stream:
                        "label": rng.integers(0, 10, n), "sample_id": np.arange(n), "epoch": np.full(n, epoch)}
 
 
-class Context:
-    """What Ray Train gives a worker, for one rank of this file's gloo group."""
+class Context(FolderContext):
+    """What Ray Train gives a worker, for one rank of this file's gloo group; ``notice_from_step`` > 0: this
+    rank's node is drained from that step on."""
 
     def __init__(self, rank: int, run_dir: str, late_start_s: float = 0.0, step_sleep: float = 0.0,
                  notice_from_step: int = 0):
-        self.rank, self.world, self.run_dir = rank, WORLD, run_dir
+        super().__init__(rank, WORLD, run_dir)
         self.late_start_s, self.step_sleep, self.notice_from_step = late_start_s, step_sleep, notice_from_step
-        self.trainer = None
-        self.records: list[dict] = []
 
     def log(self, record: dict) -> None:
-        self.records.append(record)
+        super().log(record)
         if record.get("event") == "start" and self.late_start_s:
             time.sleep(self.late_start_s)  # this rank reaches the loop late: its clock starts late
 
     def dataset_shard(self, name: str) -> Stream:
         return Stream(self, name)
 
-    def report_checkpoint(self, metrics: dict, folder: str, name: str) -> None:
-        dest = pathlib.Path(self.run_dir) / name
-        dest.mkdir(parents=True, exist_ok=True)
-        for f in os.listdir(folder):
-            shutil.copy(os.path.join(folder, f), dest / f)
-
     def preemption_info(self):
         step = self.trainer.counters.step
         return f"drain of rank {self.rank}'s node" if self.notice_from_step and step >= self.notice_from_step else None
-
-    def topology(self):
-        from app.train.topology import Topology
-
-        return Topology.simulated(WORLD, self.rank, WORLD)
 
 
 def rank_main(rank: int, store: str, run_dir: str, overrides: dict, roles: dict, out: str) -> None:

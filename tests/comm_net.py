@@ -1,0 +1,18 @@
+"""The small model and batches the comm-hook tests train on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import torch
+
+
+def three_bucket_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    # fc2's weight (32,768 entries) alone passes a 4 KB cap: DDP rebuilds the buckets as [fc3], [fc2], [fc1]
+    return torch.nn.Sequential(torch.nn.Linear(16, 128), torch.nn.ReLU(), torch.nn.Linear(128, 256), torch.nn.ReLU(),
+                               torch.nn.Linear(256, 4))
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(32, 16, generator=g)
+    return x, (x[:, :4] * 3).argmax(1)
