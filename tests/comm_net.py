@@ -16,3 +16,11 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 * step + rank)
     x = torch.randn(32, 16, generator=g)
     return x, (x[:, :4] * 3).argmax(1)
+
+
+def spawn_ranks(worker, world: int, folder) -> list[dict]:
+    """Run ``worker(rank, world, folder)`` on ``world`` spawned ranks; each saves ``out<rank>.pt`` in ``folder``."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(worker, args=(world, str(folder)), nprocs=world, join=True)
+    return [torch.load(f"{folder}/out{r}.pt", weights_only=False) for r in range(world)]

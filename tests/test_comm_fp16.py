@@ -14,19 +14,17 @@ from __future__ import annotations
 
 import math
 import os
-import pathlib
 from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from app.config import CommConfig
 from app.train.comm import CommHook
 from app.train.topology import Topology
-from tests.comm_net import batch, three_bucket_model
+from tests.comm_net import batch, spawn_ranks, three_bucket_model
 
 WORLD = 2
 STEPS = 8
@@ -119,9 +117,7 @@ def _worker(rank: int, world: int, folder: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
-    folder: pathlib.Path = tmp_path_factory.mktemp("comm_fp16")
-    mp.spawn(_worker, args=(WORLD, str(folder)), nprocs=WORLD, join=True)
-    return [torch.load(folder / f"out{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, WORLD, tmp_path_factory.mktemp("comm_fp16"))
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

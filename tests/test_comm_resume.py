@@ -13,7 +13,6 @@ per mode and reported by that mode's test instead of taking the whole spawn down
 from __future__ import annotations
 
 import os
-import pathlib
 import traceback
 from datetime import timedelta
 from typing import Any
@@ -21,13 +20,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from app.config import CommConfig
 from app.train.comm import CommHook
 from app.train.state import load_rank_state, save_rank_state
 from app.train.topology import Topology
-from tests.comm_net import batch, three_bucket_model
+from tests.comm_net import batch, spawn_ranks, three_bucket_model
 from tests.devices import lazy_device
 
 WORLD = 2
@@ -150,9 +148,7 @@ def _worker(rank: int, world: int, folder: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
-    folder: pathlib.Path = tmp_path_factory.mktemp("comm_resume")
-    mp.spawn(_worker, args=(WORLD, str(folder)), nprocs=WORLD, join=True)
-    return [torch.load(folder / f"out{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, WORLD, tmp_path_factory.mktemp("comm_resume"))
 
 
 def _check(resumed: dict, whole: torch.Tensor) -> None:
