@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one-GPU suite (issue 27 item 6): one command, under 8 minutes on one GPU with 16 cores. Steps, each under
+# The one-GPU suite: one command, under 8 minutes on one GPU with 16 cores. Steps, each under
 # its own timeout, raw logs kept, one summary line per step at the end, then one JSON line on stdout:
 #   env         versions, nvidia-smi, torch.cuda device properties, nvJPEG decode of 1 and 256 JPEGs timed
 #   tput128     synthetic ResNet-50 img/s at 128 px: lightray vs plain PyTorch done right (bf16, channels_last,

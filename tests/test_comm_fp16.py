@@ -1,6 +1,6 @@
 """fp16 loss scaling with top-k and error feedback, on a real 2-rank gloo group, on the CPU.
 
-Two things must hold (issue 27). An overflow on one rank is skipped on every rank and leaves every rank's
+Two things must hold. An overflow on one rank is skipped on every rank and leaves every rank's
 residuals and velocities as they were: the compact payload used to clamp an inf to 65,504, so the GradScaler saw a
 finite gradient, stepped on it, and ``inf - 65504`` stayed in the residual for ever. And the residuals follow the
 loss scale: they are kept unscaled, so a residual written at one scale is delivered right at another.

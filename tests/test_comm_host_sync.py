@@ -1,4 +1,4 @@
-"""The communication hook's steady-state compute never waits for the device (DESIGN.md; issue 27).
+"""The communication hook's steady-state compute never waits for the device (DESIGN.md).
 
 On CUDA a host read inside the hook (``.item()``, ``float()``, ``nonzero``, ``bincount``, boolean-mask indexing)
 stalls backward until the GPU catches up. ``torch.cuda.set_sync_debug_mode`` does not exist on the CPU, so the

@@ -95,6 +95,8 @@ def test_prepare_builds_no_tier_above_the_native_size_and_records_it(tmp_path, r
                                "data.cache_dir": str(tmp_path / "cache")})
     man = Manifest.load(str(prepare_main(cfg)))
     assert man.tiers("train") == [32] and man.native_short_side == 32
+    kept = list((tmp_path / "cache" / "_native").glob("*.json"))  # the probe is kept: a cache hit samples nothing
+    assert len(kept) == 1 and json.loads(kept[0].read_text())["native_short_side"] == 32
     assert [p.resolution for p in cfg.schedule.phases] == [32, 48, 64]  # the run fits its own config, and says so
     direct = Manifest.load(str(prepare(str(tmp_path / "src"), str(tmp_path / "cache2"), [32, 64])))
     assert direct.tiers("train") == [32, 64]  # tiers asked for by hand are built as asked

@@ -52,17 +52,19 @@ def clustering(labels: np.ndarray, rows: int = 0) -> float:
     runs = n // rows
     counts = np.zeros((runs, len(classes)))
     np.add.at(counts, (np.arange(runs * rows) // rows, codes[:runs * rows]), 1.0)
-    expected = rows * share
+    return counts_deviation(counts, share, n)
+
+
+def counts_deviation(counts: np.ndarray, share: np.ndarray, n: int) -> float:
+    """The statistic of :func:`clustering` for given groups: ``counts`` (groups x classes) against the split's
+    class ``share`` over its ``n`` samples, in standard deviations above what random groups would score."""
+    sizes = counts.sum(1, keepdims=True)
+    expected = sizes * share
     chi2 = float((((counts - expected) ** 2) / expected).sum())
-    # Sampling without replacement from the split shrinks the variance by (n - rows) / (n - 1).
-    dof = runs * (len(classes) - 1) * (n - rows) / max(1, n - 1)
+    # Sampling without replacement from the split shrinks the variance by (n - size) / (n - 1).
+    dof = float(((len(share) - 1) * (n - sizes) / max(1, n - 1)).sum())
     return (chi2 - dof) / math.sqrt(2 * max(dof, 1.0))
 
 
 def check_rows(n: int) -> int:
     return min(CHECK_ROWS, max(16, n // 8))
-
-
-def clustered(labels: np.ndarray, rows: int = 0) -> bool:
-    """True when runs of consecutive rows are unfair samples of the split (see :func:`clustering`)."""
-    return clustering(labels, rows) > LIMIT

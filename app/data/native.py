@@ -14,6 +14,7 @@ Prepare probes the size from a seeded sample of image headers before it chooses 
 from __future__ import annotations
 
 import io
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -48,10 +49,7 @@ def median_of_histogram(hist: dict[int, int]) -> int | None:
 
 
 def median(sizes: Iterable[int]) -> int | None:
-    hist: dict[int, int] = {}
-    for s in sizes:
-        hist[int(s)] = hist.get(int(s), 0) + 1
-    return median_of_histogram(hist)
+    return median_of_histogram(Counter(int(s) for s in sizes))
 
 
 def resolved_resolution(phase: Any, native: int | None) -> int:

@@ -173,12 +173,11 @@ def build_shard(unit: dict[str, Any]) -> dict[str, Any]:
             storage.write_bytes(f"{out_base}/{name}", blob, fs=out_fs)
             files[str(t)] = {"file": name, "rows": rows, "sha256": hashlib.sha256(blob).hexdigest(),
                              "bytes": len(blob), "format": formats[t]}
-    short_sides: dict[str, int] = {}  # the originals' short sides: the split's native size (app/data/native.py)
-    for h, w in zip(base["orig_height"], base["orig_width"]):
-        short_sides[str(min(h, w))] = short_sides.get(str(min(h, w)), 0) + 1
+    # The originals' short sides: the split's native size (app/data/native.py).
+    short_sides = remix.counts([min(h, w) for h, w in zip(base["orig_height"], base["orig_width"])])
     sidecar = {"split": split, "index": index, "rows": rows, "listed": listed, "files": files, "bad": bad,
                "max_label": max(base["label"], default=-1), "short_sides": short_sides,
-               "label_counts": remix.label_counts(base["label"])}
+               "label_counts": remix.counts(base["label"])}
     # The sidecar goes last: its existence certifies that every file it names was renamed into place whole.
     storage.write_json(f"{out_base}/{PROGRESS_DIR}/{_unit_name(split, index)}.json", sidecar, fs=out_fs)
     return sidecar
@@ -506,6 +505,22 @@ def probe_native(listing: SourceListing | RowListing, samples: int = native.PROB
     return found
 
 
+def _native_of(listing: SourceListing | RowListing, cache_root: str) -> int | None:
+    """The probed native size, kept beside the caches under the listing's fingerprint: a run that finds its cache
+    reads one small file instead of sampling the source's images again."""
+    path = join(storage.normalise(cache_root), "_native", f"{listing.fingerprint()[:32]}.json")
+    try:
+        return storage.read_json(path)["native_short_side"]
+    except (OSError, ValueError, KeyError):
+        pass
+    found = probe_native(listing)
+    try:
+        storage.write_json(path, {"native_short_side": found, "source": listing.root})
+    except OSError as exc:  # a read-only cache root still trains; it samples again next time
+        log.info("prepare: could not keep the native size at %s (%s)", path, exc)
+    return found
+
+
 def _samples_now(unit: dict[str, Any], fs: pafs.FileSystem, base: str) -> Iterator[tuple]:
     with _samples(unit, fs, base) as samples:
         yield from samples
@@ -534,7 +549,7 @@ def prepare(source: str, cache_root: str, tiers: list[int], *, jpeg_quality: int
     listing = list_source(source, val_fraction, val_seed, val_fraction_explicit)
     probed = None
     if tiers_at_native is not None:
-        probed = probe_native(listing)
+        probed = _native_of(listing, cache_root)
         tiers = tiers_at_native(probed)
     cache = _plan_cache(listing, cache_root, tiers, jpeg_quality, raw_max_resolution, shard_rows, limit)
     cache.probed = probed

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -31,31 +32,21 @@ log = logging.getLogger("lightray.prepare")
 PREFIX = "mix-"
 
 
-def label_counts(labels: list[int]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for lab in labels:
-        counts[str(lab)] = counts.get(str(lab), 0) + 1
-    return counts
+def counts(values: list[int]) -> dict[str, int]:
+    """A {value: count} histogram with string keys, as a JSON sidecar keeps it."""
+    return {str(k): v for k, v in Counter(values).items()}
 
 
 def clustered_shards(sidecars: list[dict[str, Any]]) -> float:
     """How far the shards' class counts are from fair samples of the split, in standard deviations (the
     statistic of :func:`app.data.mix.clustering`, over whole shards of any size)."""
     counts = [{int(k): int(v) for k, v in sc.get("label_counts", {}).items()} for sc in sidecars if sc["rows"]]
-    total: dict[int, int] = {}
-    for c in counts:
-        for k, v in c.items():
-            total[k] = total.get(k, 0) + v
-    n = sum(total.values())
-    if len(counts) < 2 or len(total) < 2 or not n:
+    classes = sorted({k for c in counts for k in c})
+    if len(counts) < 2 or len(classes) < 2:
         return 0.0
-    share = {k: v / n for k, v in total.items()}
-    chi2 = dof = 0.0
-    for c in counts:
-        rows = sum(c.values())
-        chi2 += sum((c.get(k, 0) - rows * p) ** 2 / (rows * p) for k, p in share.items())
-        dof += (len(total) - 1) * (n - rows) / max(1, n - 1)
-    return (chi2 - dof) / (2 * max(dof, 1.0)) ** 0.5
+    table = np.array([[c.get(k, 0) for k in classes] for c in counts], dtype=np.float64)
+    n = int(table.sum())
+    return mix.counts_deviation(table, table.sum(0) / n, n)
 
 
 def plan(sidecars: list[dict[str, Any]], shard_rows: int, split: str = "train") -> list[dict[str, Any]]:
@@ -98,8 +89,8 @@ def build(unit: dict[str, Any], out_dir: str) -> dict[str, Any]:
                     "bytes": len(blob)}
         labels, sides = cols["label"], [min(h, w) for h, w in zip(cols["orig_height"], cols["orig_width"])]
     sidecar = {"split": unit["split"], "index": unit["index"], "rows": len(take), "listed": len(take),
-               "files": files, "bad": [], "max_label": max(labels, default=-1), "label_counts": label_counts(labels),
-               "short_sides": label_counts(sides)}
+               "files": files, "bad": [], "max_label": max(labels, default=-1), "label_counts": counts(labels),
+               "short_sides": counts(sides)}
     storage.write_json(f"{base}/{PROGRESS_DIR}/{unit_name(unit['split'], unit['index'])}.json", sidecar, fs=fs)
     return sidecar
 

@@ -18,6 +18,7 @@ import math
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -317,35 +318,40 @@ def hold_out(listing: SourceListing, fraction: float, seed: int) -> None:
         raise DataError(f"data.val_fraction: bad value {fraction!r}; expected a fraction in (0, 1)")
     train = listing.splits["train"]
     labels = train.column("label")
-    by_label = np.argsort(labels, kind="stable")  # each class's rows, in path order
-    present, starts = np.unique(labels[by_label], return_index=True)
-    bounds = [*starts.tolist(), len(by_label)]
-    val_parts: list[np.ndarray] = []
-    train_parts: list[np.ndarray] = []
-    per_class: dict[str, list[int]] = {}
-    for c, label in enumerate(present.tolist()):
-        rows = by_label[bounds[c]:bounds[c + 1]]
-        n, name = len(rows), listing.classes[label]
-        k = int(n * fraction + 0.5)
-        if n < 2 or not 0 < k < n:
-            raise DataError(f"{join(listing.root, 'train', name)}: class {name!r} has {n} image(s); a "
-                            f"{fraction:g} hold-out would take {k} of them (the source has no val/ split); "
-                            f"expected at least {max(2, math.ceil(0.5 / fraction))} images per class, a "
-                            "larger data.val_fraction, or a val/ folder")
-        paths = train.table.column("path").take(pa.array(rows)).to_pylist()  # one class's paths at a time
-        keys = [hashlib.sha256(f"{seed}\0{p}".encode()).digest() for p in paths]
-        ranked = rows[sorted(range(n), key=keys.__getitem__)]
-        val_parts.append(ranked[:k])
-        train_parts.append(ranked[k:])
-        per_class[name] = [n - k, k]
+    val_rows, per_class = rank_holdout(
+        labels, lambda rows: train.table.column("path").take(pa.array(rows)).to_pylist(), fraction, seed,
+        listing.classes, lambda name: join(listing.root, "train", name), "image", "a val/ folder")
     # The split is sorted by path, so sorted row numbers are the path order of the rows they pick.
-    listing.splits["train"] = train.take(np.sort(np.concatenate(train_parts)))
-    listing.splits["val"] = val = train.take(np.sort(np.concatenate(val_parts)))
+    listing.splits["train"] = train.take(np.setdiff1d(np.arange(len(labels)), val_rows))
+    listing.splits["val"] = val = train.take(val_rows)
     digest = hashlib.sha256()
     for lo in range(0, len(val), _ROW_BATCH):
         _update_lines(digest, [val.table.column("path").slice(lo, _ROW_BATCH)], "")
     listing.holdout = {"from": "train", "val_fraction": float(fraction), "seed": int(seed),
                        "train_val_per_class": per_class, "val_paths_sha256": digest.hexdigest()}
+
+
+def rank_holdout(labels: np.ndarray, paths_of: Any, fraction: float, seed: int, names: list[str], where: Any,
+                 what: str, instead: str) -> tuple[np.ndarray, dict[str, list[int]]]:
+    """The rows of a stratified hold-out (sorted) and the (train, val) counts per class: round(fraction * n) of
+    every class's n rows, the first in sha256(seed, path) order, so the split depends on the seed and the paths
+    alone. ``paths_of(rows)`` gives the rows' paths (one class at a time); a class too small for the fraction is a
+    DataError at ``where(name)`` counting its ``what``s and suggesting ``instead``."""
+    val_parts, per_class = [], {}
+    for label in np.unique(labels[labels >= 0]).tolist():
+        rows = np.flatnonzero(labels == label)  # the class's rows, in listing order
+        n, name = len(rows), names[label]
+        k = int(n * fraction + 0.5)
+        if n < 2 or not 0 < k < n:
+            raise DataError(f"{where(name)}: class {name!r} has {n} {what}(s); a {fraction:g} hold-out would take {k} "
+                            f"of them (the source has no validation split); expected at least "
+                            f"{max(2, math.ceil(0.5 / fraction))} {what}s per class, a larger data.val_fraction, or "
+                            f"{instead}")
+        keys = [hashlib.sha256(f"{seed}\0{p}".encode()).digest() for p in paths_of(rows)]
+        val_parts.append(rows[sorted(range(n), key=keys.__getitem__)[:k]])
+        per_class[name] = [n - k, k]
+    val = np.sort(np.concatenate(val_parts)) if val_parts else np.zeros(0, np.int64)
+    return val, per_class
 
 
 def local_path_or_none(root: str) -> str | None:

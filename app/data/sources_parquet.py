@@ -10,7 +10,6 @@ else ``"0".."max"`` for integer labels. Work units are row ranges of one file, s
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from app.data import mix
-from app.data.source import DataError
+from app.data.source import DataError, rank_holdout
 from app.data.sources_rows import (
     RowFile,
     RowListing,
@@ -156,20 +155,13 @@ def hold_out(listing: RowListing, labels: np.ndarray, fraction: float, seed: int
         raise _error(f"data.val_fraction: bad value {fraction!r}; expected a fraction in (0, 1)")
     files = listing.splits["train"]
     starts = np.concatenate([[0], np.cumsum([f.num_rows for f in files])]).astype(np.int64)
-    val_parts, per_class = [], {}
-    for c in np.unique(labels[labels >= 0]).tolist():
-        rows = np.flatnonzero(labels == c)
-        n, name, k = len(rows), listing.classes[c], int(len(rows) * fraction + 0.5)
-        if n < 2 or not 0 < k < n:
-            raise _error(f"{listing.root}: class {name!r} has {n} row(s); a {fraction:g} hold-out would take {k} "
-                         "of them (the source has no validation split); expected more rows per class, a larger "
-                         "data.val_fraction, or a validation split")
+
+    def paths_of(rows: np.ndarray) -> list[str]:
         fidx = np.searchsorted(starts, rows, side="right") - 1
-        keys = [hashlib.sha256(f"{seed}\0{row_path(files[fi].path, r - starts[fi])}".encode()).digest()
-                for fi, r in zip(fidx.tolist(), rows.tolist())]
-        val_parts.append(rows[sorted(range(n), key=keys.__getitem__)[:k]])
-        per_class[name] = [n - k, k]
-    val = np.sort(np.concatenate(val_parts)) if val_parts else np.zeros(0, np.int64)
+        return [row_path(files[fi].path, r - starts[fi]) for fi, r in zip(fidx.tolist(), rows.tolist())]
+
+    val, per_class = rank_holdout(labels, paths_of, fraction, seed, listing.classes, lambda name: listing.root,
+                                  "row", "a validation split")
     listing.picked = {"val": val, "train": np.setdiff1d(np.arange(len(labels), dtype=np.int64), val)}
     listing.splits["val"] = list(files)  # the held-out rows live in the train files
     listing.holdout = {"from": "train", "val_fraction": float(fraction), "seed": int(seed),
