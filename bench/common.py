@@ -186,12 +186,14 @@ def resolved_ratio(ratios: list[float], digits: int = 4) -> dict[str, Any]:
 
     ``gap`` is how far the median ratio lies from 1, ``spread`` the max minus the min over the pairs;
     ``resolved`` is false when the spread is wider than the gap: the pairs disagree by more than the
-    difference being claimed, so the machine cannot tell the two sides apart at this load."""
+    difference being claimed, so the machine cannot tell the two sides apart at this load. One pair has no
+    spread to judge by, so it is never resolved."""
     s = spread(list(ratios), digits)
     if s["median"] is None:
         return {**s, "gap": None, "spread": None, "resolved": False}
     gap, width = abs(s["median"] - 1.0), s["max"] - s["min"]
-    return {**s, "gap": round(gap, digits), "spread": round(width, digits), "resolved": bool(width <= gap)}
+    known = sum(r is not None for r in ratios) >= 2
+    return {**s, "gap": round(gap, digits), "spread": round(width, digits), "resolved": bool(known and width <= gap)}
 
 
 def pin_threads(threads: int) -> int:

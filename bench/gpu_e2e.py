@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--phases: bad value {args.phases!r}; allowed: a comma list of {known}")
     # A subset keeps each phase's batch and crop scale: the suite's 128 px run is the full run's first phase.
     phases = [(DRY_PHASES if dry else PHASES)[known.index(r)] for r in want]
-    size = (64, 48) if dry else (500, 375)
+    # The dry run's images stay above its largest phase (64 px), so the native-size rule clips no phase.
+    size = (96, 72) if dry else (500, 375)
     if dry:
         args.images, args.val_images, args.classes, args.raw_max = min(args.images, 96), 16, 4, 48
     import torch

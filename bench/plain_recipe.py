@@ -10,6 +10,11 @@ curves as functions of samples seen, label smoothing, the EMA of the weights and
 each built by the same lightray function the run calls (so both sides do the same arithmetic). The split is
 the run's own: the same seeded hold-out of the same rows. ``fixed_final`` trains every epoch at the final
 phase instead (the fixed-resolution loop, the second baseline).
+
+Images of many sizes (the demo's, like ImageNet's) are prepared as a skilled user prepares them for a
+progressive recipe (fast.ai's resized copies): :func:`load_tree` resizes every training image once per phase
+size (short side), holds each size decoded in one edge-padded uint8 array with every image's own height and
+width, and centre-crops the validation images once at the eval size.
 """
 
 from __future__ import annotations
@@ -52,16 +57,59 @@ def load_arrays(source: str, val_fraction: float, seed: int, limits: dict[str, i
     return out
 
 
-def random_resized_crop(x: torch.Tensor, size: int, min_scale: float, gen: torch.Generator) -> torch.Tensor:
+def load_tree(tree: str, sizes: list[int], eval_size: int, eval_tier: int, crop_ratio: float) -> dict[str, Any]:
+    """An ImageFolder tree (``train/<class>/*``, ``val/<class>/*``) decoded once: per size in ``sizes`` the
+    training images resized to that short side, top-left in one (n, H, W, 3) uint8 array padded with each
+    image's edge pixels, with their (height, width) in ``hw``; the validation images resized to ``eval_tier``,
+    centre-cropped to ``crop_ratio`` of the short side and resized to ``eval_size`` (``val_cropped``)."""
+    from torchvision.datasets import ImageFolder
+
+    from app.data.images import RESAMPLE, resize_short
+
+    t0 = time.perf_counter()
+    train, val = ImageFolder(f"{tree}/train"), ImageFolder(f"{tree}/val")
+    by_size: dict[int, list[np.ndarray]] = {s: [] for s in sizes}
+    short_sides = []
+    for path, _label in train.samples:
+        with Image.open(path) as im:
+            img = im.convert("RGB")
+        short_sides.append(min(img.size))
+        for s in sizes:
+            by_size[s].append(np.asarray(resize_short(img, s)))
+    out: dict[str, Any] = {"classes": train.classes, "native_short_side": int(np.median(short_sides)),
+                           "train_by_res": {}, "val_cropped": True}
+    labels = np.asarray(train.targets, np.int64)
+    for s, imgs in by_size.items():
+        hw = np.asarray([a.shape[:2] for a in imgs], np.int64)
+        canvas = np.stack([np.pad(a, ((0, hw[:, 0].max() - a.shape[0]), (0, hw[:, 1].max() - a.shape[1]), (0, 0)),
+                                  mode="edge") for a in imgs])
+        out["train_by_res"][s] = (canvas, labels, hw)
+    crops = []
+    for path, _label in val.samples:
+        with Image.open(path) as im:
+            img = resize_short(im.convert("RGB"), eval_tier)
+        side = min(img.size) * crop_ratio
+        x0, y0 = (img.size[0] - side) / 2, (img.size[1] - side) / 2
+        crops.append(np.asarray(img.resize((eval_size, eval_size), RESAMPLE, box=(x0, y0, x0 + side, y0 + side))))
+    out["train"] = (out["train_by_res"][max(sizes)][0], labels)
+    out["val"] = (np.stack(crops), np.asarray(val.targets, np.int64))
+    out["decode_s"] = time.perf_counter() - t0
+    return out
+
+
+def random_resized_crop(x: torch.Tensor, size: int, min_scale: float, gen: torch.Generator,
+                        hw: np.ndarray | None = None) -> torch.Tensor:
     """Batched random-resized crop (area in [min_scale, 1], aspect in [3/4, 4/3]) and horizontal flip of a float
-    NCHW batch, resized to ``size`` by bilinear ``roi_align``."""
+    NCHW batch, resized to ``size`` by bilinear ``roi_align``. ``hw``: each image's (height, width) where the
+    batch holds images of several sizes top-left on one canvas (else every image fills it)."""
     from torchvision.ops import roi_align
 
-    n, _, h, w = x.shape
+    n = x.shape[0]
+    h, w = (torch.full((n,), float(d)) for d in x.shape[2:]) if hw is None else torch.from_numpy(hw).float().T
     area = torch.empty(n).uniform_(min_scale, 1.0, generator=gen) * h * w
     ratio = torch.exp(torch.empty(n).uniform_(float(np.log(3 / 4)), float(np.log(4 / 3)), generator=gen))
-    cw = torch.sqrt(area * ratio).clamp(max=w)
-    ch = torch.sqrt(area / ratio).clamp(max=h)
+    cw = torch.minimum(torch.sqrt(area * ratio), w)
+    ch = torch.minimum(torch.sqrt(area / ratio), h)
     x0 = torch.rand(n, generator=gen) * (w - cw)
     y0 = torch.rand(n, generator=gen) * (h - ch)
     boxes = torch.stack([torch.arange(n, dtype=torch.float32), x0, y0, x0 + cw, y0 + ch], 1)
@@ -94,11 +142,13 @@ def _normalise(batch: np.ndarray, channels_last: bool) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _top1(model: torch.nn.Module, xs: np.ndarray, ys: np.ndarray, cfg, size: int) -> float:
+def _top1(model: torch.nn.Module, xs: np.ndarray, ys: np.ndarray, cfg, size: int, cropped: bool) -> float:
     model.eval()
     hits = 0
     for lo in range(0, len(xs), 500):
-        x = center_crop(_normalise(xs[lo:lo + 500], False), size, cfg.data.val_crop_ratio)
+        x = _normalise(xs[lo:lo + 500], False)
+        if not cropped:
+            x = center_crop(x, size, cfg.data.val_crop_ratio)
         if cfg.model.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         logits = model(x).float()
@@ -111,9 +161,9 @@ def _top1(model: torch.nn.Module, xs: np.ndarray, ys: np.ndarray, cfg, size: int
 
 def run(cfg, arrays: dict[str, Any], *, targets: list[float], threads: int, seed: int,
         fixed_final: bool = False, label: str = "plain same recipe") -> tuple[list[dict[str, Any]], float]:
-    """Train ``cfg`` (a config fitted to the data) over ``arrays``; per-epoch records (epoch, val_top1, train_s,
-    wall_s) until the highest target or the recipe's epochs, and the start-up seconds (model and optimiser
-    build, the decode counted by the caller)."""
+    """Train ``cfg`` (a config fitted to the data) over ``arrays`` (:func:`load_arrays` or :func:`load_tree`);
+    per-epoch records (epoch, val_top1, train_s, wall_s) until the highest target or the recipe's epochs, and the
+    start-up seconds (model and optimiser build, the decode counted by the caller)."""
     from app.schedule import Schedule
     from app.train.ema import ModelEMA
     from app.train.model import build_model
@@ -144,7 +194,11 @@ def run(cfg, arrays: dict[str, Any], *, targets: list[float], threads: int, seed
         perm = rng.permutation(len(xtr))
         for s in range(len(xtr) // ph.batch_size):
             idx = perm[s * ph.batch_size:(s + 1) * ph.batch_size]
-            x = random_resized_crop(_normalise(xtr[idx], False), ph.resolution, ph.min_scale, gen)
+            src, hw = xtr, None
+            if "train_by_res" in arrays:  # the copy resized for this phase, as lightray reads this phase's tier
+                src, _labels, hw = arrays["train_by_res"][ph.resolution]
+                hw = hw[idx]
+            x = random_resized_crop(_normalise(src[idx], False), ph.resolution, ph.min_scale, gen, hw)
             if cfg.model.channels_last:
                 x = x.contiguous(memory_format=torch.channels_last)
             set_lr_momentum(opt, sched.lr_at(samples), sched.momentum_at(samples))
@@ -155,7 +209,8 @@ def run(cfg, arrays: dict[str, Any], *, targets: list[float], threads: int, seed
             if ema is not None:
                 ema.update(model)
             samples += ph.batch_size
-        top1 = _top1(ema.module if ema is not None else model, xva, yva, cfg, eval_res)
+        top1 = _top1(ema.module if ema is not None else model, xva, yva, cfg, eval_res,
+                     arrays.get("val_cropped", False))
         now = time.perf_counter()
         history.append({"epoch": epoch + 1, "val_top1": top1, "train_s": now - t_train, "wall_s": now - t_start})
         note(f"{label} epoch {epoch + 1}/{sched.epochs} ({ph.resolution}px): top-1 {top1:.3f} "

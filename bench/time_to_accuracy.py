@@ -11,8 +11,13 @@ not timed), same model (``build_model`` with the recipe's model section: resnet_
 machine, the sides run one after the other in this process, each evaluated on the whole validation split
 after every epoch. The recipe is read from ``app/recipes/demo.yaml`` (through ``load_config``), never copied.
 
-(a) ``tuned_plain`` (the primary baseline): the recipe's hyper-parameters in a plain PyTorch loop, at the
-    recipe's final phase (its resolution, batch and crop scale; no progressive resizing, which is part of
+(a) ``plain_same_recipe`` (the primary baseline, ``bench/plain_recipe.py``): the whole recipe, progressive
+    phases included, in one plain PyTorch process over a copy of the tree resized once to each phase's size
+    and held decoded in memory (``plain_recipe.load_tree``; its one-off decode counts as start-up, as
+    prepare counts as lightray's), crops batched in torch, the run's optimiser, LR and momentum curves by
+    samples seen. Ratios ``ratios.vs_plain_same_recipe_{train,wall}_s.<target>``.
+(a') ``tuned_plain`` (the fixed-resolution baseline): the recipe's hyper-parameters in a plain PyTorch loop,
+    at the recipe's final phase (its resolution, batch and crop scale; no progressive resizing, which is part of
     what lightray adds). torchvision ``ImageFolder`` over the JPEG tree + ``DataLoader`` (shuffle, drop_last,
     persistent workers), train ``RandomResizedCrop(res, scale=(min_scale, 1))`` + ``RandomHorizontalFlip``,
     val ``Resize(res / val_crop_ratio)`` + ``CenterCrop(res)`` at the recipe's eval resolution; ``SGD`` with
@@ -22,7 +27,7 @@ after every epoch. The recipe is read from ``app/recipes/demo.yaml`` (through ``
     recipe's label smoothing, channels_last as the recipe. Threads and loader workers are set for the machine
     (``--plain-threads``, ``--plain-loader-workers``; default: the cores). It stops at the highest target or
     the recipe's epochs.
-(b) ``pytorch_example`` (the second baseline): pytorch/examples ``imagenet/main.py`` scaled to the final
+(b) ``pytorch_example`` (the third baseline): pytorch/examples ``imagenet/main.py`` scaled to the final
     resolution: ``RandomResizedCrop(res)`` (scale 0.08-1), fixed batch 128, SGD momentum 0.9, weight decay 1e-4
     on every parameter, ``StepLR`` /10 every 30% of the epochs, plain cross-entropy, no warm-up, NCHW. Its
     LR is chosen by a small sweep (``--example-lr-per-256``, three values by default, the example's own 0.1
@@ -40,12 +45,13 @@ per-epoch validation as lightray's does), ``wall_s_to_target`` including start-u
 dataset scan, model and loader build for the baselines; Ray start, shard-cache check or build and
 worker-group start for lightray (the wall time before its first training step).
 
-``--repeats N`` (default 3; 1 with ``--quick``) runs every side N times, alternating which of lightray and the
-tuned baseline goes first, each repeat with its own seed. Every figure is given as median, min, max and the
-runs (``bench.common.spread``). Ratios are baseline seconds over lightray seconds (bigger = lightray
-faster), computed per repeat and then summarised: ``ratios.vs_tuned_plain_{train,wall}_s.<target>`` and
-``ratios.vs_pytorch_example_{train,wall}_s.<target>``; a repeat in which a side missed the target counts as
-``missing``; ``resolved`` is false when the repeats' spread is wider than the median's distance from 1.
+``--repeats N`` (default 3; 1 with ``--quick``) runs every side N times, reversing the order of lightray and
+the two recipe baselines every other repeat, each repeat with its own seed. Every figure is given as median,
+min, max and the runs (``bench.common.spread``). Ratios are baseline seconds over lightray seconds (bigger =
+lightray faster), computed per repeat and then summarised: ``ratios.vs_plain_same_recipe_{train,wall}_s.<target>``,
+``ratios.vs_tuned_plain_{train,wall}_s.<target>`` and ``ratios.vs_pytorch_example_{train,wall}_s.<target>``; a
+repeat in which a side missed the target counts as ``missing``; ``resolved`` is false when the repeats' spread
+is wider than the median's distance from 1, and always with one repeat.
 
 ``--dataset cifar10`` (``--data``: the training split as Parquet, default ``../shared/data/cifar10``): the
 ``cifar10`` recipe, validated on its seeded hold-out of the training split. The primary baseline is
@@ -361,6 +367,29 @@ def cifar_overrides(data: str, quick: bool) -> dict[str, Any]:
     return out
 
 
+def demo_arrays(tree: str, cfg) -> tuple[Any, dict[str, Any]]:
+    """The demo tree as the same-recipe baseline holds it (every phase's size, the eval crop), and the recipe
+    fitted to its native size as a run fits it."""
+    import copy
+
+    from app.config import default_eval_resolution
+    from app.data import native
+    from app.data.prepare import tiers_for
+    from bench import plain_recipe
+
+    sizes = sorted({p.resolution for p in cfg.schedule.phases})
+    eval_size = default_eval_resolution(cfg.schedule)
+    eval_tier = next((t for t in tiers_for(cfg) if t >= eval_size), max(tiers_for(cfg)))
+    arrays = plain_recipe.load_tree(tree, sizes, eval_size, eval_tier, cfg.data.val_crop_ratio)
+    fitted = copy.deepcopy(cfg)
+    native.fit_schedule(fitted, arrays["native_short_side"])
+    missing = sorted({p.resolution for p in fitted.schedule.phases} - set(arrays["train_by_res"]))
+    if missing:
+        raise RuntimeError(f"demo tree {tree}: the recipe fitted to its native size "
+                           f"{arrays['native_short_side']} px trains at {missing} px, which were not prepared")
+    return fitted, arrays
+
+
 def plain_side(cfg, arrays: dict[str, Any], targets: list[float], threads: int, seed: int,
                fixed_final: bool) -> dict[str, Any]:
     from bench import plain_recipe
@@ -479,10 +508,13 @@ def main(argv: list[str] | None = None) -> int:
     t = time.perf_counter()
     tree = demo_tree(args.storage, overrides)
     demo_s = time.perf_counter() - t
-    note(f"demo tree {tree} ready ({demo_s:.1f} s); {repeats} repeat(s); baselines: {threads} torch threads, "
-         f"{loader_workers} loader workers")
+    same_cfg, arrays = demo_arrays(tree, demo_cfg)
+    note(f"demo tree {tree} ready ({demo_s:.1f} s), decoded at {sorted(arrays['train_by_res'])} px for the same "
+         f"recipe in plain PyTorch ({arrays['decode_s']:.1f} s); {repeats} repeat(s); baselines: {threads} torch "
+         f"threads, {loader_workers} loader workers")
 
     light_runs: list[dict[str, Any]] = []
+    same_runs: list[dict[str, Any]] = []
     tuned_runs: list[dict[str, Any]] = []
     example_runs: list[dict[str, Any]] = []
     sweep: list[dict[str, Any]] = []
@@ -491,11 +523,14 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(repeats):
         seed = args.seed + rep
         loads.append(load_avg())
-        # Alternate the order of the two main sides: a load drift then favours each of them as often.
-        for side in (("lightray", "tuned_plain") if rep % 2 == 0 else ("tuned_plain", "lightray")):
+        # Alternate the order of the main sides: a load drift then favours each of them as often.
+        sides = ("lightray", "plain_same_recipe", "tuned_plain")
+        for side in (sides if rep % 2 == 0 else sides[::-1]):
             note(f"repeat {rep + 1}/{repeats}: {side} (seed {seed}, load {load_avg()})")
             if side == "lightray":
                 light_runs.append(run_lightray(args.storage, overrides, targets, seed))
+            elif side == "plain_same_recipe":
+                same_runs.append(plain_side(same_cfg, arrays, targets, threads, seed, fixed_final=False))
             else:
                 tuned_runs.append(run_tuned_plain(tree, demo_cfg, targets=targets, threads=threads,
                                                   loader_workers=loader_workers, seed=seed))
@@ -528,12 +563,17 @@ def main(argv: list[str] | None = None) -> int:
                    "final_batch": final.batch_size, "final_min_scale": final.min_scale},
         "lightray": {**summarize_side(light_runs, targets), "workers": light_runs[0]["workers"],
                      "run_dirs": [r["run_dir"] for r in light_runs]},
+        "plain_same_recipe": {**summarize_side(same_runs, targets), "threads": threads, "processes": 1,
+                              "decode_s": round(arrays["decode_s"], 2),
+                              "data": "the tree resized once to each phase's size, decoded uint8 arrays in "
+                                      "memory, batched roi_align crops"},
         "tuned_plain": {**summarize_side(tuned_runs, targets), "resolution": tuned0["resolution"],
                         "eval_resolution": tuned0["eval_resolution"], "batch": tuned0["batch"],
                         "lr_peak": tuned0["lr_peak"], "threads": tuned0["threads"],
                         "loader_workers": tuned0["loader_workers"], "processes": 1},
     }
-    ratios = ratios_against(tuned_runs, light_runs, targets, "vs_tuned_plain")
+    ratios = ratios_against(same_runs, light_runs, targets, "vs_plain_same_recipe")
+    ratios.update(ratios_against(tuned_runs, light_runs, targets, "vs_tuned_plain"))
     if example_runs:
         figures["pytorch_example"] = {
             **summarize_side(example_runs, targets), "lr_per_256": chosen_lr, "batch": EXAMPLE_BATCH,

@@ -1,0 +1,56 @@
+"""bench/plain_recipe.py, the same-recipe plain baseline: a tree of images of many sizes is held decoded once per
+phase size, and each image is cropped within its own pixels, never the canvas's padding."""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from bench.plain_recipe import load_tree, random_resized_crop
+
+
+def _tree(root: pathlib.Path) -> None:
+    rng = np.random.default_rng(0)
+    sizes = {"train": [(40, 30), (30, 50), (64, 64)], "val": [(48, 36), (36, 36)]}
+    for split, whs in sizes.items():
+        for i, (w, h) in enumerate(whs):
+            cls = root / split / f"c{i % 2}"
+            cls.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(cls / f"{i}.png")
+
+
+def test_a_tree_is_held_once_per_phase_size_with_each_images_own_size(tmp_path):
+    _tree(tmp_path)
+    got = load_tree(str(tmp_path), [16, 24], eval_size=20, eval_tier=24, crop_ratio=0.875)
+    assert got["classes"] == ["c0", "c1"] and got["val_cropped"] is True
+    assert got["native_short_side"] == 30  # median short side of 30, 30, 64
+    for size, (canvas, labels, hw) in got["train_by_res"].items():
+        assert hw.min(1).tolist() == [size] * 3  # every image's short side is the phase's size
+        assert canvas.shape == (3, hw[:, 0].max(), hw[:, 1].max(), 3) and canvas.dtype == np.uint8
+        assert labels.tolist() == [0, 0, 1]  # ImageFolder order: by class, then by file
+        for img, (h, w) in zip(canvas, hw):  # padded with each image's own edge pixels
+            assert (img[h:, :w] == img[h - 1:h, :w]).all() and (img[:, w:] == img[:, w - 1:w]).all()
+    xs, ys = got["val"]
+    assert xs.shape == (2, 20, 20, 3) and ys.tolist() == [0, 1]
+    assert got["train"][0] is got["train_by_res"][24][0]
+
+
+@pytest.mark.parametrize("hw_known", [True, False])
+def test_crops_stay_inside_each_images_own_pixels(hw_known):
+    # Two white images top-left on a black canvas of 32 x 32, each with the one row and column of its own edge
+    # that bilinear sampling at its border reads: crops that know each image's size see only white.
+    x = torch.zeros(2, 3, 32, 32)
+    x[0, :, :9, :21] = 1.0
+    x[1, :, :25, :13] = 1.0
+    hw = np.array([[8, 20], [24, 12]])
+    gen = torch.Generator().manual_seed(0)
+    outs = [random_resized_crop(x, 16, 0.3, gen, hw if hw_known else None) for _ in range(20)]
+    low = min(float(o.min()) for o in outs)
+    if hw_known:
+        assert low > 0.99
+    else:
+        assert low < 0.5  # without the sizes the crops take the canvas's black padding
