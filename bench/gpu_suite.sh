@@ -39,7 +39,7 @@ if [ "$DRY" = 1 ]; then
   ENV_ARGS=(--dry-run)
   TPUT_ARGS=(--cpu-dry-run --arch resnet_tiny --variants plain,plain_bf16,lightray)
   TPUT128=("${TPUT_ARGS[@]}"); TPUT224=("${TPUT_ARGS[@]}")
-  E2E_ARGS=(--dry-run --phases 128)
+  E2E_ARGS=(--dry-run)  # all three tiny phases: the dry run checks the per-phase figures the GPU run's one phase gives
   PIPE_ARGS=(--cpu-dry-run)
   COMM_ARGS=(--overhead-only --device cpu --overhead-batch 1 --overhead-reps 1)
   RESUME_ARGS=(--dry-run)

@@ -134,3 +134,27 @@ def test_gpu_e2e_reports_the_decode_path_each_phase_picked_and_blames_it_when_st
     got = decode_paths(recs)
     assert set(got) == {2} and got[2]["on"] == "device" and got[2]["device_img_s"] == 9000.0
     assert "decoded on the GPU" in starved_by(0.5, 0.4, 50.0, False, device_decode=True)
+
+
+@pytest.mark.parametrize("fails_on", ["batch", "image"])
+def test_running_out_of_device_memory_is_raised_not_dropped_as_a_damaged_image(monkeypatch, fails_on):
+    import torchvision.io
+
+    good = io.BytesIO()
+    Image.new("RGB", (8, 6), (200, 10, 10)).save(good, "JPEG")
+    data = device_decode.as_tensors([np.frombuffer(good.getvalue(), np.uint8)] * 3)
+    real = torchvision.io.decode_jpeg
+
+    def decode_jpeg(arg, **kw):
+        # The device's allocator failing (injected: this machine has no GPU to fill), on the batched call or
+        # on the image-by-image retry that follows a bad image.
+        if fails_on == "batch" or not isinstance(arg, list):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        raise RuntimeError("Not a JPEG file")
+
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", decode_jpeg)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        device_decode.decode(data, "cpu")
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", real)
+    images, bad = device_decode.decode(data, "cpu")  # the same bytes decode once memory is there
+    assert bad == [] and [tuple(im.shape) for im in images] == [(3, 6, 8)] * 3

@@ -11,6 +11,7 @@ import subprocess
 
 import pytest
 
+from bench.gpu_e2e import GOAL
 from bench.gpu_suite_summary import key_figures, last_json, status
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -53,3 +54,13 @@ def test_gpu_suite_dry_run_names_every_step_and_prints_the_json_line(tmp_path):
     assert res["figures"]["sync"]["status"] == "skipped (no CUDA)"
     assert res["figures"]["comm"]["figures"]["compression_cost_measured_on"] == "cpu"
     assert res["figures"]["tput224"]["figures"]["plain_bf16_img_s"] > 0
+    # The e2e step drove the real app/run.py through its three tiny phases (tests/test_gpu_e2e.py checks
+    # the same script's parts; this is its end-to-end dry run).
+    e2e = res["figures"]["e2e"]
+    assert e2e["bench"] == "gpu_e2e" and e2e["machine"]["dry_run"] is True
+    for res_px in ("32", "48", "64"):
+        ph = e2e["figures"]["phases"][res_px]
+        assert ph["e2e_img_s"] > 0 and ph["synthetic_img_s"] > 0
+        assert ph["ratio"] == pytest.approx(ph["e2e_img_s"] / ph["synthetic_img_s"], rel=0.01)
+        assert 0.0 <= ph["data_wait_frac"] <= 1.0
+        assert (ph["starved_by"] is None) == (ph["ratio"] >= GOAL)

@@ -5,8 +5,10 @@ the ingest's map function makes."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
+import mmap
 import multiprocessing
 import pathlib
 import time
@@ -46,6 +48,7 @@ def shards(tmp_path) -> list[dict]:
 @pytest.fixture(autouse=True)
 def fresh_stats():
     shard_cache._OPEN.clear()
+    shard_cache._TOUCHED.clear()
     for k in shard_cache.STATS:
         shard_cache.STATS[k] = 0
 
@@ -105,6 +108,51 @@ def test_a_copy_evicted_while_memory_mapped_stays_readable(shards, tmp_path):
         shard_cache.open_table(s["uri"], s["sha256"], str(local), ["image"], budget)
     assert a["sha256"] not in cached(local)  # unlinked ...
     assert table.column("image").to_pylist() == a["pixels"]  # ... and still read through the open mapping
+
+
+def test_the_most_used_shard_survives_eviction_when_its_reads_come_from_the_open_shards(shards, tmp_path):
+    local = tmp_path / "nvme"
+    hot, b, c, d = shards[:4]
+    budget = int(3.5 * hot["bytes"])  # room for three copies
+    shard_cache.parquet_shard(hot["uri"], hot["sha256"], "raw", str(local), budget)  # copied first: the oldest
+    for s in (b, c):
+        time.sleep(0.02)
+        shard_cache.local_copy(s["uri"], s["sha256"], str(local), budget)
+    time.sleep(0.02)
+    for _ in range(5):  # every read of the hot shard is served by this process's open shards
+        shard_cache.parquet_shard(hot["uri"], hot["sha256"], "raw", str(local), budget)
+    assert shard_cache.STATS["memory_hits"] == 5
+    shard_cache._OPEN.clear()  # the process lets go of its maps: recency alone decides now
+    gc.collect()
+    time.sleep(0.02)
+    shard_cache.local_copy(d["uri"], d["sha256"], str(local), budget)
+    assert set(cached(local)) == {hot["sha256"], c["sha256"], d["sha256"]}  # b, the least used, went
+
+
+def test_a_mapped_copy_goes_last_and_a_mapped_copy_already_unlinked_still_counts(shards, tmp_path):
+    local = tmp_path / "nvme"
+    a, b, c, d = shards[:4]
+    budget = int(2.5 * a["bytes"])  # room for two copies
+    # The oldest copy, mapped by a reader (one in the middle of a read, or one reading it in place).
+    path = shard_cache.local_copy(a["uri"], a["sha256"], str(local), budget)
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    assert shard_cache.mapped_copies(str(local)) == ({path}, 0)
+    time.sleep(0.02)
+    shard_cache.local_copy(b["uri"], b["sha256"], str(local), budget)
+    time.sleep(0.02)
+    shard_cache.local_copy(c["uri"], c["sha256"], str(local), budget)
+    assert set(cached(local)) == {a["sha256"], c["sha256"]}  # b went although a was older: a is in use
+
+    # Another evictor (another node sharing the folder) unlinks a while it is mapped: its blocks stay on disk.
+    next(local.glob(f"??/{a['sha256']}.parquet")).unlink()
+    _live, held = shard_cache.mapped_copies(str(local))
+    assert held >= a["bytes"]
+    shard_cache.local_copy(d["uri"], d["sha256"], str(local), budget)
+    assert set(cached(local)) == {d["sha256"]}  # c made way: a's blocks still count against the budget
+    assert hashlib.sha256(mapped[:]).hexdigest() == a["sha256"]  # the reader still has all of a
+    mapped.close()
+    assert shard_cache.mapped_copies(str(local)) == (set(), 0)
 
 
 READS = 60

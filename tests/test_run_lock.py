@@ -79,6 +79,54 @@ def test_another_hosts_lock_counts_while_its_heartbeat_is_fresh(tmp_path):
         assert read_holder(str(tmp_path)).host == socket.gethostname()
 
 
+def _race(args: tuple) -> str:
+    """One of several drivers taking the same run at the same instant: "held" or the refusal's message."""
+    run_dir, barrier = args
+    lock = RunLock(run_dir, heartbeat_s=60)
+    barrier.wait()
+    try:
+        lock.acquire()
+    except RunLockedError as exc:
+        return str(exc)
+    time.sleep(1.0)  # hold it while the others look
+    lock.release()
+    return "held"
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_drivers_started_at_the_same_instant_leave_exactly_one_holder(where, tmp_path, request):
+    import multiprocessing
+
+    base = str(tmp_path) if where == "local" else request.getfixturevalue("s3_storage")
+    ctx = multiprocessing.get_context("fork")  # separate processes, as separate drivers are
+    for round_ in range(3):
+        run_dir = storage.join(base, f"race{round_}")
+        barrier = ctx.Manager().Barrier(5)
+        with ctx.Pool(5) as pool:
+            got = pool.map(_race, [(run_dir, barrier)] * 5)
+        assert got.count("held") == 1, got
+        assert all("already being run by another driver (host" in g for g in got if g != "held"), got
+        assert read_holder(run_dir) is None  # the holder released it
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_heartbeat_that_finds_its_lock_taken_leaves_the_new_owners_lock_alone(where, tmp_path, request, capsys):
+    base = str(tmp_path) if where == "local" else request.getfixturevalue("s3_storage")
+    lock = RunLock(base, heartbeat_s=0.2).acquire()
+    try:
+        # Another driver took the run over (this one's heartbeat had stalled past stale_after_s).
+        now = time.time()
+        storage.write_json(storage.join(base, LOCK_NAME), {"host": "another-node", "pid": 7, "start_time": now,
+                                                           "heartbeat": now, "token": "theirs"})
+        time.sleep(1.0)
+        assert read_holder(base).token == "theirs"  # no heartbeat wrote over it
+        assert lock.lost
+        assert "no longer this driver's (host another-node, pid 7" in capsys.readouterr().out
+    finally:
+        lock.release()
+    assert read_holder(base).token == "theirs"  # nor did the release remove it
+
+
 def _smoke_cmd(storage_dir, name, shared_cache, *extra) -> list[str]:
     return [sys.executable, "app/run.py", "--smoke-test", "--storage", str(storage_dir), "--name", name,
             "--scaling.ray_address=local", f"--data.cache_dir={shared_cache}",

@@ -112,6 +112,23 @@ def test_a_parquet_source_on_s3_prepares_into_an_s3_cache(parquet_on_s3, cluster
     assert man.bad_files()[0]["path"] == "data/train-00001-of-00002.parquet#3"
 
 
+def test_class_sorted_tars_on_s3_are_remixed_as_the_same_tars_on_disk(cluster, s3_query, tmp_path):
+    # One tar per class (a writer walking class folders in order): the order of rows never changes what a
+    # run learns, wherever the tars lie.
+    from tests.test_source_order import make_class_tars
+
+    make_class_tars(tmp_path / "wds", per_class=40)
+    uri = upload(tmp_path / "wds", s3_uri(s3_query, "wds-sorted"))
+    labels = {}
+    for where, src in (("disk", str(tmp_path / "wds")), ("s3", uri)):
+        man = Manifest.load(str(prepare(src, str(tmp_path / f"cache-{where}"), [32], raw_max_resolution=64,
+                                        shard_rows=30)))
+        labels[where] = [pq.read_table(sh.uri)["label"].to_pylist() for sh in man.shards("train", 32)]
+    assert labels["s3"] == labels["disk"] and len(labels["s3"]) == 4
+    for shard in labels["s3"]:
+        assert min(np.bincount(shard, minlength=3)) >= 5, shard  # each shard a fair sample of the 3 classes
+
+
 @pytest.mark.slow  # a driver process that starts its own Ray cluster: 60-110 s on a loaded 2-core machine
 def test_prepare_only_with_data_on_s3_prints_the_s3_cache(parquet_on_s3, s3_query, tmp_path):
     expected, data = parquet_on_s3

@@ -21,6 +21,25 @@ def test_join_keeps_the_query_string_of_a_uri_at_its_end():
     assert storage.join("/tmp/x?y", "z") == "/tmp/x?y/z"  # a local name may hold "?"
 
 
+def test_resume_without_a_name_finds_the_newest_run_on_s3(s3_storage):
+    import time
+
+    from app.config import load_config
+    from app.train.runner import resolve_run
+
+    cfg = load_config("smoke", {"storage": s3_storage})
+    with pytest.raises(FileNotFoundError, match="no run found in storage s3://lightray-runs/runs"):
+        resolve_run(cfg, resume=True)
+    storage.write_bytes(storage.join(s3_storage, "cache", "manifest.json"), b"{}")  # the shard cache: no run
+    for name in ("older", "newer"):
+        storage.write_bytes(storage.join(s3_storage, name, "config.yaml"), b"recipe: smoke\n")
+        storage.write_bytes(storage.join(s3_storage, name, "checkpoint_000000000064", "meta.json"), b"{}")
+        time.sleep(1.1)  # S3 keeps LastModified to the second
+    cfg = load_config("smoke", {"storage": s3_storage})
+    resolve_run(cfg, resume=True)
+    assert cfg.name == "newer" and cfg.storage == s3_storage
+
+
 @pytest.mark.slow
 def test_a_run_on_s3_stops_and_resumes_from_its_s3_checkpoints(s3_storage, shared_cache):
     name = f"s3resume-{os.getpid()}"

@@ -9,7 +9,8 @@ samples edge pixels as PIL's clamp does, exactly as on the windows the device-au
 
 A bad image (bytes that fail to decode: a damaged shard, since prepare rejects bad files) fails the whole
 batched call, so that batch is decoded again image by image; the bad ones are dropped with their labels (the
-rest keep theirs: no shift), logged and listed in :data:`SKIPPED`.
+rest keep theirs: no shift), logged and listed in :data:`SKIPPED`. Running out of device memory is not a bad
+image: it is raised as it is, never turned into dropped images.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def decode(data: list[torch.Tensor], device: torch.device | str) -> tuple[list[t
         torch.cuda.current_stream(device).synchronize()
     try:
         return list(decode_jpeg(data, mode=ImageReadMode.RGB, device=device)), []
+    except torch.cuda.OutOfMemoryError:
+        raise  # the device is full, not the shard damaged: dropping the batch's images would hide it
     except RuntimeError:
         pass  # one bad image fails the whole batched call: find it image by image
     out: list[torch.Tensor | None] = []
@@ -66,6 +69,8 @@ def decode(data: list[torch.Tensor], device: torch.device | str) -> tuple[list[t
     for i, t in enumerate(data):
         try:
             out.append(decode_jpeg(t, mode=ImageReadMode.RGB, device=device))
+        except torch.cuda.OutOfMemoryError:
+            raise
         except RuntimeError:
             out.append(None)
             bad.append(i)

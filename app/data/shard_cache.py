@@ -5,7 +5,10 @@ Level 2, node-local disk (``local_dir``, the instance's NVMe on a cluster): a ta
 copies it there the first time, checks its sha256 and renames it into place atomically, so concurrent
 tasks on one node never read a half-copied file; later epochs and later runs on that node read the copy.
 ``data.local_cache_max_gb`` bounds the copies' disk use: the least recently used copies are evicted first
-(a copy's mtime is its last use; every lookup refreshes it).
+(a copy's mtime is its last use; every lookup refreshes it, and so does a read served from a process's open
+shards, at most once per :data:`_TOUCH_EVERY_S`). Copies some process on the node has memory-mapped are in use:
+they go last, and a mapped copy already unlinked still counts against the budget, since its blocks stay on
+disk until the last map closes.
 Level 3, the Ray object store: a tier whose *decoded* pixels fit ``data.memory_budget_mb`` is decoded
 once at start (one task per shard, :func:`materialize`) into a :class:`DecodedShard` whose arrays live
 in shared memory; map tasks ``ray.get`` it (zero-copy on the node that holds it) and skip both the
@@ -41,6 +44,10 @@ from app.storage import sha256 as sha256_file
 log = logging.getLogger(__name__)
 _MAX_OPEN = 16
 _OPEN: OrderedDict[str, Any] = OrderedDict()
+# A read served from _OPEN refreshes its copy's recency at most this often: a utime per block would be a
+# syscall per read, and eviction only needs use to within seconds.
+_TOUCH_EVERY_S = 5.0
+_TOUCHED: dict[str, float] = {}
 # Per-process counters (the map tasks' levels; tests read them in-process).
 STATS = {"copied": 0, "local_hits": 0, "evicted": 0, "memory_hits": 0, "parquet_reads": 0, "object_store_reads": 0}
 COLUMNS = ["image", "label", "sample_id", "height", "width"]
@@ -117,6 +124,41 @@ def _touch(path: pathlib.Path) -> bool:
         return path.is_file()
 
 
+def touch_used(local_dir: str, sha256: str) -> None:
+    """A read of the shard from this process's open shards counts as a use of its node-local copy."""
+    now = time.monotonic()
+    if now - _TOUCHED.get(sha256, -_TOUCH_EVERY_S) >= _TOUCH_EVERY_S:
+        _TOUCHED[sha256] = now
+        _touch(pathlib.Path(local_dir) / sha256[:2] / f"{sha256}.parquet")
+
+
+def mapped_copies(local_dir: str) -> tuple[set[str], int]:
+    """(paths of copies under ``local_dir`` that a process on this node has memory-mapped, bytes still held
+    by mapped copies that were already unlinked), from every readable ``/proc/<pid>/maps``."""
+    root = os.path.realpath(local_dir) + os.sep
+    live: set[str] = set()
+    gone: dict[tuple[str, str], int] = {}  # (device, inode) -> mapped bytes
+    for maps in pathlib.Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # the process ended, or is not ours to read
+            continue
+        if root not in text:
+            continue
+        for line in text.splitlines():
+            parts = line.split(None, 5)
+            if len(parts) < 6 or not parts[5].startswith(root):
+                continue
+            path = parts[5]
+            if path.endswith(" (deleted)"):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                key = (parts[3], parts[4])
+                gone[key] = max(gone.get(key, 0), hi - lo)
+            elif path.endswith(".parquet"):
+                live.add(path)
+    return live, sum(gone.values())
+
+
 def cached_copies(local_dir: str) -> list[tuple[int, int, pathlib.Path]]:
     """(last use in ns, bytes, path) of every shard copy under ``local_dir``, least recently used first."""
     out = []
@@ -145,13 +187,17 @@ def _evict_lock(local_dir: str) -> Iterator[None]:
 def make_room(local_dir: str, need: int, max_bytes: int, keep: pathlib.Path | None = None,
               label: str = "") -> list[str]:
     """Evict least-recently-used copies under ``local_dir`` until ``need`` more bytes fit in ``max_bytes``;
-    returns the evicted paths. A copy in use elsewhere is unlinked all the same: on Linux its open and
-    memory-mapped handles stay valid, and its blocks are freed when the last one closes. A shard larger than
-    the whole budget is still copied (a run cannot read it otherwise), with a warning."""
+    returns the evicted paths. Copies that a process on the node has mapped are in use and go last; mapped
+    copies already unlinked count as used, since their blocks are freed only when the last map closes. A
+    mapped copy is unlinked when nothing else is left to evict: on Linux its open and memory-mapped handles
+    stay valid. A shard larger than the whole budget is still copied (a run cannot read it otherwise), with a
+    warning."""
     evicted: list[str] = []
     with _evict_lock(local_dir):
         copies = cached_copies(local_dir)
-        used = sum(size for _, size, _ in copies)
+        live, held = mapped_copies(local_dir)
+        used = sum(size for _, size, _ in copies) + held
+        copies.sort(key=lambda c: (os.path.realpath(c[2]) in live, c[0]))
         now = time.time_ns()
         for mtime, size, path in copies:
             if used + need <= max_bytes:
@@ -275,6 +321,8 @@ def parquet_shard(uri: str, sha256: str, fmt: str, local_dir: str, max_bytes: in
     if view is not None:
         _OPEN.move_to_end(key)
         STATS["memory_hits"] += 1
+        if max_bytes > 0:  # recency matters only where a budget evicts
+            touch_used(local_dir, sha256)
         return view
     view = ParquetShard(open_table(uri, sha256, local_dir, COLUMNS, max_bytes), fmt)
     STATS["parquet_reads"] += 1

@@ -49,12 +49,28 @@ def resolve_run(cfg: Config, resume: bool = False) -> None:
     if "://" not in cfg.storage:
         cfg.storage = str(pathlib.Path(cfg.storage).expanduser().resolve())
     if not cfg.name and resume:
-        runs = [p for p in pathlib.Path(cfg.storage).glob("*/config.yaml")] if "://" not in cfg.storage else []
-        if not runs:
+        cfg.name = newest_run(cfg.storage)
+        if cfg.name is None:
             raise FileNotFoundError(f"--resume: no run found in storage {cfg.storage}")
-        cfg.name = max(runs, key=lambda p: p.stat().st_mtime).parent.name
     if not cfg.name:
         cfg.name = f"{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def newest_run(storage_path: str) -> str | None:
+    """The run in ``storage_path`` (a folder or a URI such as s3://) that started last: every start writes its
+    ``config.yaml``, so the newest one names it. None when no folder there holds one (the shard cache does not)."""
+    from app.storage import FileType, file_info, list_dir
+
+    newest: tuple[float, str] | None = None
+    for entry in list_dir(storage_path, detail=True):
+        if entry.type != FileType.Directory:
+            continue
+        info = file_info(join(storage_path, entry.base_name, "config.yaml"))
+        if info.type == FileType.File and info.mtime is not None:
+            when = info.mtime.timestamp()
+            if newest is None or when > newest[0]:
+                newest = (when, entry.base_name)
+    return None if newest is None else newest[1]
 
 
 def connect_ray(cfg: Config, verbose: bool = False, dashboard: bool = False) -> bool:
