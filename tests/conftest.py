@@ -10,10 +10,16 @@ import pytest
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
-# Ray Train's controller collects reports and worker-group state on this period (2 s by default), and every run
-# in these tests is short: at 0.5 s a smoke run ends about 6 s sooner (41-44 s -> 36-38 s, measured here on
-# tests/test_native_size.py's demo run), which is minutes over the suites. Runs started by the tests inherit it.
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+
+
+@pytest.fixture(autouse=True)
+def _short_train_controller_period(request, monkeypatch):
+    """Ray Train's controller collects reports and worker-group state on a period (2 s by default), and every
+    run of the default suite is short: at 0.5 s a smoke run ends about 6 s sooner (41-44 s -> 36-38 s,
+    measured here on tests/test_native_size.py's demo run). Runs a test starts inherit it. The slow tests
+    (fault injection, benches) keep Ray's default, the timing their faults were tuned on."""
+    if request.node.get_closest_marker("slow") is None and "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S" not in os.environ:
+        monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
 @pytest.fixture(scope="session")

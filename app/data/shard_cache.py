@@ -6,9 +6,9 @@ copies it there the first time, checks its sha256 and renames it into place atom
 tasks on one node never read a half-copied file; later epochs and later runs on that node read the copy.
 ``data.local_cache_max_gb`` bounds the copies' disk use: the least recently used copies are evicted first
 (a copy's mtime is its last use; every lookup refreshes it, and so does a read served from a process's open
-shards, at most once per :data:`_TOUCH_EVERY_S`). Copies some process on the node has memory-mapped are in use:
-they go last, and a mapped copy already unlinked still counts against the budget, since its blocks stay on
-disk until the last map closes.
+shards, at most once per :data:`_TOUCH_EVERY_S`). When copies must go, those some process on the node has
+memory-mapped are in use: they go last, and a mapped copy already unlinked still counts against the budget,
+since its blocks stay on disk until the last map closes.
 Level 3, the Ray object store: a tier whose *decoded* pixels fit ``data.memory_budget_mb`` is decoded
 once at start (one task per shard, :func:`materialize`) into a :class:`DecodedShard` whose arrays live
 in shared memory; map tasks ``ray.get`` it (zero-copy on the node that holds it) and skip both the
@@ -195,9 +195,12 @@ def make_room(local_dir: str, need: int, max_bytes: int, keep: pathlib.Path | No
     evicted: list[str] = []
     with _evict_lock(local_dir):
         copies = cached_copies(local_dir)
-        live, held = mapped_copies(local_dir)
-        used = sum(size for _, size, _ in copies) + held
-        copies.sort(key=lambda c: (os.path.realpath(c[2]) in live, c[0]))
+        used = sum(size for _, size, _ in copies)
+        if used + need > max_bytes:
+            # Only when something must go: reading every process's maps costs tens of ms on a busy node.
+            live, held = mapped_copies(local_dir)
+            used += held
+            copies.sort(key=lambda c: (os.path.realpath(c[2]) in live, c[0]))
         now = time.time_ns()
         for mtime, size, path in copies:
             if used + need <= max_bytes:
