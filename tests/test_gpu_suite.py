@@ -57,7 +57,7 @@ def test_gpu_suite_dry_run_names_every_step_and_prints_the_json_line(tmp_path):
     # The e2e step drove the real app/run.py through its three tiny phases (tests/test_gpu_e2e.py checks
     # the same script's parts; this is its end-to-end dry run).
     e2e = res["figures"]["e2e"]
-    assert e2e["bench"] == "gpu_e2e" and e2e["machine"]["dry_run"] is True
+    assert e2e["status"] == "ok" and set(e2e["figures"]["phases"]) == {"32", "48", "64"}
     for res_px in ("32", "48", "64"):
         ph = e2e["figures"]["phases"][res_px]
         assert ph["e2e_img_s"] > 0 and ph["synthetic_img_s"] > 0
