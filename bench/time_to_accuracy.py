@@ -379,7 +379,8 @@ def demo_arrays(tree: str, cfg) -> tuple[Any, dict[str, Any]]:
 
     sizes = sorted({p.resolution for p in cfg.schedule.phases})
     eval_size = default_eval_resolution(cfg.schedule)
-    eval_tier = next((t for t in tiers_for(cfg) if t >= eval_size), max(tiers_for(cfg)))
+    tiers = tiers_for(cfg)
+    eval_tier = next((t for t in tiers if t >= eval_size), tiers[-1])  # as Manifest.tier_for picks a run's
     arrays = plain_recipe.load_tree(tree, sizes, eval_size, eval_tier, cfg.data.val_crop_ratio)
     fitted = copy.deepcopy(cfg)
     native.fit_schedule(fitted, arrays["native_short_side"])

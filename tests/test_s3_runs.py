@@ -40,6 +40,22 @@ def test_resume_without_a_name_finds_the_newest_run_on_s3(s3_storage):
     assert cfg.name == "newer" and cfg.storage == s3_storage
 
 
+def test_resume_without_a_name_finds_the_newest_run_in_a_folder_as_on_s3(tmp_path):
+    import time
+
+    from app.config import load_config
+    from app.train.runner import resolve_run
+
+    (tmp_path / "cache").mkdir()  # the shard cache: no run
+    for name in ("older", "newer"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.yaml").write_text("recipe: smoke\n")
+        time.sleep(0.05)
+    cfg = load_config("smoke", {"storage": str(tmp_path)})
+    resolve_run(cfg, resume=True)
+    assert cfg.name == "newer"
+
+
 @pytest.mark.slow
 def test_a_run_on_s3_stops_and_resumes_from_its_s3_checkpoints(s3_storage, shared_cache):
     name = f"s3resume-{os.getpid()}"

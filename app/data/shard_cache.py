@@ -57,6 +57,11 @@ def default_local_dir() -> str:
     return os.environ.get("LIGHTRAY_LOCAL_CACHE", "/tmp/lightray-cache")
 
 
+def copy_path(local_dir: str, sha256: str) -> pathlib.Path:
+    """Where the node-local copy of the shard with this content hash lives."""
+    return pathlib.Path(local_dir) / sha256[:2] / f"{sha256}.parquet"
+
+
 def local_copy(uri: str, sha256: str, local_dir: str, max_bytes: int = 0) -> str:
     """Path of a verified node-local copy of shard ``uri`` (content-addressed by its sha256).
 
@@ -74,7 +79,7 @@ def _open_copy(uri: str, sha256: str, local_dir: str, max_bytes: int) -> tuple[i
 
     The descriptor is opened before any evictor can see the file (on the copy path: before the rename into
     place), so an eviction that follows only unlinks the name: on Linux the open file stays readable."""
-    target = pathlib.Path(local_dir) / sha256[:2] / f"{sha256}.parquet"
+    target = copy_path(local_dir, sha256)
     try:
         fd = os.open(target, os.O_RDONLY)
     except FileNotFoundError:
@@ -129,7 +134,7 @@ def touch_used(local_dir: str, sha256: str) -> None:
     now = time.monotonic()
     if now - _TOUCHED.get(sha256, -_TOUCH_EVERY_S) >= _TOUCH_EVERY_S:
         _TOUCHED[sha256] = now
-        _touch(pathlib.Path(local_dir) / sha256[:2] / f"{sha256}.parquet")
+        _touch(copy_path(local_dir, sha256))
 
 
 def mapped_copies(local_dir: str) -> tuple[set[str], int]:

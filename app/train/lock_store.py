@@ -3,10 +3,10 @@
 ``create`` writes only if no file is there, ``replace`` and ``delete`` act only if the file is still the one
 this caller last saw (its tag). On S3 these are conditional requests (``If-None-Match: *`` and ``If-Match:
 <ETag>``), which S3 evaluates atomically, so of two drivers racing, exactly one create succeeds however slow
-their requests are. On a local (or NFS) folder: ``O_CREAT | O_EXCL``, and ``replace``/``delete`` under an
-``flock`` of a guard file beside it. Other object stores (gs://, ...) have no conditional request that
-pyarrow exposes: there the store writes, waits and reads back, which two slow writes can both pass, and says
-so once.
+their requests are. On a local (or NFS) folder: a hard link that fails if the name exists, and
+``replace``/``delete`` under an ``flock`` of a guard file beside it. Other object stores (gs://, ...) have no
+conditional request that pyarrow exposes: there the store writes, waits and reads back, which two slow writes
+can both pass, and says so once.
 """
 
 from __future__ import annotations
@@ -78,14 +78,18 @@ class LocalLockStore(LockStore):
         return _digest(data)
 
     def create(self, data: bytes) -> str | None:
+        # A hard link to a finished file appears whole or not at all, and fails if the name exists: an atomic
+        # create-if-absent that no reader can catch half-written.
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._guarded():
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                return None
-            os.close(fd)
-            return self._write(data)
+        tmp = self.path.with_name(f".{self.path.name}.new{os.getpid()}")
+        tmp.write_bytes(data)
+        try:
+            os.link(tmp, self.path)
+        except FileExistsError:
+            return None
+        finally:
+            tmp.unlink()
+        return _digest(data)
 
     def replace(self, data: bytes, tag: str) -> str | None:
         with self._guarded():
@@ -202,10 +206,11 @@ class ReadBackLockStore(LockStore):
         return True
 
 
-def lock_store(path: str) -> LockStore:
-    """The store for a lock file at ``path``: a local path, ``file://``, ``s3://``, or another URI."""
+def lock_store(path: str, settle_s: float = 0.2) -> LockStore:
+    """The store for a lock file at ``path``: a local path, ``file://``, ``s3://``, or another URI (there
+    ``settle_s`` is the read-back pause)."""
     if not storage.is_uri(path) or path.startswith("file://"):
         return LocalLockStore(storage.normalise(path))
     if path.startswith("s3://"):
         return S3LockStore(path)
-    return ReadBackLockStore(path)
+    return ReadBackLockStore(path, settle_s)

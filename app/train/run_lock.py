@@ -9,7 +9,7 @@ owner lives; a lock whose owner is gone is taken over with a warning:
 - another host (the pid cannot be checked there): the heartbeat is older than ``stale_after_s``.
 
 Taking, refreshing and removing the lock are compare-and-swap operations (app/train/lock_store.py): a create
-that fails when a lock is there (S3's ``If-None-Match: *``, ``O_EXCL`` on a disk), and a heartbeat, take-over
+that fails when a lock is there (S3's ``If-None-Match: *``, a hard link on a disk), and a heartbeat, take-over
 or release that acts only on the very lock this driver last saw (``If-Match``). Of two drivers started at the
 same instant exactly one takes the run, and a driver whose lock was taken from it (its heartbeat stalled past
 ``stale_after_s``) finds out at its next heartbeat instead of writing over the new owner's lock.
@@ -98,9 +98,7 @@ class RunLock:
         ``settle_s``: the read-back pause, only on object stores without conditional writes."""
         self.run_dir, self.path = run_dir, storage.join(run_dir, LOCK_NAME)
         self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
-        self.store = lock_store(self.path)
-        if hasattr(self.store, "settle_s"):
-            self.store.settle_s = settle_s
+        self.store = lock_store(self.path, settle_s)
         self.me = LockHolder(socket.gethostname(), pid or os.getpid(), time.time(), time.time(), uuid.uuid4().hex)
         self.tag: str | None = None
         self.lost = False

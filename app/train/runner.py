@@ -59,18 +59,15 @@ def resolve_run(cfg: Config, resume: bool = False) -> None:
 def newest_run(storage_path: str) -> str | None:
     """The run in ``storage_path`` (a folder or a URI such as s3://) that started last: every start writes its
     ``config.yaml``, so the newest one names it. None when no folder there holds one (the shard cache does not)."""
-    from app.storage import FileType, file_info, list_dir
+    from app.storage import FileType, list_dir, resolve_fs
 
-    newest: tuple[float, str] | None = None
-    for entry in list_dir(storage_path, detail=True):
-        if entry.type != FileType.Directory:
-            continue
-        info = file_info(join(storage_path, entry.base_name, "config.yaml"))
-        if info.type == FileType.File and info.mtime is not None:
-            when = info.mtime.timestamp()
-            if newest is None or when > newest[0]:
-                newest = (when, entry.base_name)
-    return None if newest is None else newest[1]
+    fs, base = resolve_fs(storage_path)  # one filesystem for the listing and every run's config.yaml
+    folders = [e.path for e in list_dir(base, detail=True, fs=fs) if e.type == FileType.Directory]
+    configs = [i for i in fs.get_file_info([f"{f}/config.yaml" for f in folders])
+               if i.type == FileType.File and i.mtime is not None]
+    if not configs:
+        return None
+    return max(configs, key=lambda i: i.mtime).path.rsplit("/", 2)[-2]
 
 
 def connect_ray(cfg: Config, verbose: bool = False, dashboard: bool = False) -> bool:
