@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--space", metavar="PATH", help="search space YAML for --tune (default tune_spaces/demo.yaml)")
     p.add_argument("--trials", type=int, help="number of --tune trials (default: the space file's)")
     p.add_argument("--concurrent", type=int, help="trials run at once for --tune (default: the space file's)")
-    p.add_argument("--report", metavar="RUN", help="render plots and report.md for a run or tune experiment folder")
+    p.add_argument("--report", metavar="RUN", help="render plots and report.md for a run or tune experiment folder (a "
+                   "folder or an s3:// URI)")
     p.add_argument("--mlflow", metavar="URI", help="also log params, metrics and the summary to MLflow at URI")
     p.add_argument("--verbose", action="store_true", help="show Ray's own logs and debug output")
     return p
@@ -110,13 +111,9 @@ def main(argv: list[str] | None = None, *, guard: bool = False) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.report:
-        from app.report.markdown import make_report
-        from app.tune.report import is_experiment, write_search_report
+        from app.report.markdown import write_reports
 
-        print(make_report(args.report))
-        if is_experiment(args.report):  # a tune experiment: importances, parallel coordinates, stop rungs
-            for path in write_search_report(args.report).values():
-                print(path)
+        print("\n".join(write_reports(args.report)))
         return 0
     try:
         cfg = config_from_args(args, rest)

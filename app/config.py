@@ -380,6 +380,8 @@ class ReportConfig:
     verbose: Bool = False
     # console progress poll interval (ProgressPrinter every_s)
     progress_every_s: Annotated[Float, Range(0.05, 3600.0)] = 1.0
+    # a run on object storage copies metrics.jsonl and TensorBoard from the driver's disk this often
+    sync_every_s: Annotated[Float, Range(0.1, 3600.0)] = 15.0
     # test resolutions scored at the end of a run (FixRes check); [] = none
     eval_sweep: Annotated[list[Int], BeforeValidator(_yaml_list)] = field(default_factory=list)
 

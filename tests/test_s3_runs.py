@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
 from app import storage
 from app.train.state import list_checkpoints, validate_checkpoint
 from tests.conftest import S3_ENV
-from tests.faults import driver, finish
+from tests.faults import ROOT, driver, finish
 
 
 def test_join_keeps_the_query_string_of_a_uri_at_its_end():
@@ -57,16 +59,23 @@ def test_resume_without_a_name_finds_the_newest_run_in_a_folder_as_on_s3(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_run_on_s3_stops_and_resumes_from_its_s3_checkpoints(s3_storage, shared_cache):
+def test_a_run_on_s3_stops_and_resumes_from_its_s3_checkpoints(s3_storage, shared_cache, tmp_path):
+    """Each driver runs on "another machine" (its own home, so its own local mirror of the run's logs): the
+    run's records live in the bucket, the resumed run appends to their whole history there, and the report
+    is rendered from the bucket."""
     name = f"s3resume-{os.getpid()}"
-    env = dict(S3_ENV)
+    env = {**S3_ENV, "HOME": str(tmp_path / "first-machine")}
     finish(driver(s3_storage, name, "--checkpoint.stop_after_steps=3", cache=shared_cache, env=env))
     run_dir = storage.join(s3_storage, name)
     saved = list_checkpoints(run_dir)
     assert [s for s, _ in saved] == [3 * 64], saved  # the stop checkpoint, on S3
     assert validate_checkpoint(saved[0][1])["samples_seen"] == 3 * 64
     assert storage.read_json(storage.join(run_dir, "summary.json"))["status"] == "finished"
+    first = storage.read_jsonl(storage.join(run_dir, "metrics.jsonl"))  # the records, in the bucket
+    assert max(r.get("samples_seen", 0) for r in first) == 3 * 64
+    assert storage.list_dir(storage.join(run_dir, "tensorboard"))  # TensorBoard events too
 
+    env["HOME"] = str(tmp_path / "second-machine")  # an empty mirror: the history comes from the bucket
     out = finish(driver(s3_storage, name, "--resume", cache=shared_cache, env=env))
     summary = json.loads(storage.read_bytes(storage.join(run_dir, "summary.json")))
     assert summary["status"] == "finished" and summary["epochs"] == 2, out[-3000:]
@@ -74,3 +83,10 @@ def test_a_run_on_s3_stops_and_resumes_from_its_s3_checkpoints(s3_storage, share
     resume = storage.read_json(storage.join(run_dir, "resume.json"))
     assert resume["samples_seen"] == 3 * 64 and resume["checkpoint"].startswith("s3://")  # resumed from S3
     assert not storage.exists(storage.join(run_dir, "driver.lock"))  # released on the way out
+    records = storage.read_jsonl(storage.join(run_dir, "metrics.jsonl"))
+    assert records[:len(first)] == first and max(r.get("samples_seen", 0) for r in records) == 512
+
+    report = subprocess.run([sys.executable, "app/run.py", "--report", run_dir], cwd=ROOT, capture_output=True,
+                            text=True, env={**os.environ, **env}, timeout=300)
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert "## Events" in storage.read_text(storage.join(run_dir, "report", "report.md"))

@@ -139,10 +139,12 @@ def write_summary_from_files(cfg: Config, run_dir: str, local_run_dir: str, t0: 
     """summary.json for a run whose driver could not write it (ended from outside, or a search trial that Tune
     stopped), from what the run wrote: its metrics.jsonl (none yet: the summary still names the cause)."""
     from app.report.progress import MetricsFileError, read_metrics
+    from app.report.record_sync import RecordSync
 
     try:
         records = read_metrics(os.path.join(local_run_dir, "metrics.jsonl"))[0]
     except MetricsFileError:
         records = []
+    RecordSync(local_run_dir, run_dir).sync()  # the driver's own copier is gone: the records' last state
     return write_summary(cfg, run_dir, local_run_dir, records, t0, t1, epochs_planned, use_gpu=use_gpu,
                          error=error, billing=billing, status=status, extra=extra)

@@ -198,10 +198,13 @@ def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, str
                 lock=None, inline: bool = False, on_report=None) -> dict[str, Any]:
     from app.data.manifest import Manifest
     from app.data.prepare import prepare_main
+    from app.report.record_sync import RecordSync
     from app.report.runlog import RunLogWriter, start_runlog
 
     run_dir, local_run_dir = _open_run_dir(cfg, resume)
     t0 = time.time()
+    # metrics.jsonl, TensorBoard and startup.json follow the run into its storage (a no-op for a local one)
+    records = RecordSync(local_run_dir, run_dir, cfg.report.sync_every_s).start()
     startup.reset()
     with startup.phase("ray_start"):
         started_here = connect_ray(cfg, verbose)
@@ -247,6 +250,7 @@ def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, str
             billing = meter.stop()
         finally:
             watch.stop()
+            records.stop()
     return _write_result(cfg, run_dir, local_run_dir, t0, sched, use_gpu, error, spot, billing)
 
 
@@ -291,8 +295,10 @@ def _check_placement(cfg: Config, use_gpu: bool, started_here: bool, stream) -> 
 
 def _open_run_dir(cfg: Config, resume: bool) -> tuple[str, str]:
     """(run folder, its local mirror for logs); a new run may not reuse a folder that has checkpoints."""
+    from app.report.record_sync import mirror_dir, pull
+
     run_dir = join(cfg.storage, cfg.name)
-    local_run_dir = run_dir if "://" not in run_dir else str(pathlib.Path.home() / "lightray_runs" / cfg.name)
+    local_run_dir = mirror_dir(run_dir, cfg.name)
     os.makedirs(local_run_dir, exist_ok=True)
     if not resume and list_checkpoints(run_dir):
         raise FileExistsError(f"run {run_dir} already has checkpoints; pass --resume to continue it or use "
@@ -300,6 +306,8 @@ def _open_run_dir(cfg: Config, resume: bool) -> tuple[str, str]:
     newest = newest_meta(run_dir) if resume else None
     if newest is not None:  # refuse an unsafe format here, once, not in every worker; metas only, no hashing
         check_checkpoint_format(*newest, cfg.checkpoint.allow_pickle)
+    if resume:  # on another machine the mirror is empty: the resumed run appends to the stored history
+        pull(run_dir, local_run_dir)
     return run_dir, local_run_dir
 
 
