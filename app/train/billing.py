@@ -2,8 +2,15 @@
 
 The counters in a checkpoint only carry the time up to that checkpoint: a restart resumes them and the
 time spent after it (lost to the failure) disappears from the bill. The driver therefore meters the
-cluster itself: while it runs, every ``every_s`` seconds each live node adds that interval to the seconds
-of its price key (the node label ``lightray-price-key`` that cluster.yaml sets, else ``cost.node_type``).
+cluster itself: while it runs, every ``every_s`` seconds each node that the run holds adds that interval to
+the seconds of its price key (the node label ``lightray-price-key`` that cluster.yaml sets, else
+``cost.node_type``). A node is the run's while it holds a bundle of one of the run's placement groups (the
+worker group), one of its actors (the Train controller, the run log, Ray Data's actors), or its driver; so
+two runs on one cluster are each billed for their own nodes. The run is its Ray job: placement group ids end
+with the id of the job that created them, and GCS's actor table names each actor's job. Spot-notice
+watchers sit on every eligible node with no resources, to watch, not to use it: they do not count. Ray Data
+tasks on a node where the run holds nothing else are not seen (GCS keeps no node per running task without
+the dashboard's state API).
 ``billing.json`` in the run folder keeps one entry per driver attempt, outside the checkpoints, and is
 rewritten every ``flush_s`` so that a driver killed without warning still bills most of its time.
 """
@@ -32,11 +39,36 @@ def read_billing(run_dir: str) -> dict[str, Any]:
     return data if isinstance(data, dict) and "attempts" in data else {"attempts": [], "node_seconds": {}}
 
 
-def _node_keys(default_key: str) -> list[str]:
-    """The price key of each live node of the cluster."""
+# Actors a run places on nodes it does not otherwise use, holding no resources there (app/train/spot_watcher.py)
+OBSERVERS = frozenset({"SpotWatcher"})
+
+
+def job_nodes(job_id: str) -> set[str]:
+    """Ids of the nodes that the Ray job ``job_id`` (hex) holds now: its placement groups' bundles, its live
+    actors (observers aside) and its driver's node."""
+    import ray
+    from ray._private.state import state  # GCS's actor table: no dashboard needed, unlike ray.util.state
+
+    if not job_id:
+        raise ValueError("job_nodes: empty job id; expected the hex id of a Ray job")
+    nodes = {ray.get_runtime_context().get_node_id()}
+    for pg in ray.util.placement_group_table().values():
+        if pg.get("state") == "CREATED" and str(pg.get("placement_group_id", "")).endswith(job_id):
+            nodes.update(pg.get("bundles_to_node_id", {}).values())
+    for actor in state.actor_table(None).values():
+        if actor.get("JobID") == job_id and actor.get("State") == "ALIVE" \
+                and actor.get("ActorClassName") not in OBSERVERS:
+            nodes.add((actor.get("Address") or {}).get("NodeID"))
+    return nodes
+
+
+def _node_keys(default_key: str, job_id: str) -> list[str]:
+    """The price key of each live node that the job holds."""
     import ray
 
-    return [(n.get("Labels") or {}).get(PRICE_LABEL) or default_key for n in ray.nodes() if n.get("Alive")]
+    held = job_nodes(job_id)
+    return [(n.get("Labels") or {}).get(PRICE_LABEL) or default_key for n in ray.nodes()
+            if n.get("Alive") and n.get("NodeID") in held]
 
 
 class NodeMeter:
@@ -50,6 +82,9 @@ class NodeMeter:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last = time.time()
+        import ray
+
+        self.job_id = ray.get_runtime_context().get_job_id() if ray.is_initialized() else ""  # the run: its job
 
     def start(self) -> NodeMeter:
         self._last = time.time()
@@ -58,10 +93,10 @@ class NodeMeter:
         return self
 
     def sample(self) -> None:
-        """Bill the time since the last sample to the nodes alive now."""
+        """Bill the time since the last sample to the nodes the run holds now."""
         now = time.time()
         try:
-            keys = _node_keys(self.default_key)
+            keys = _node_keys(self.default_key, self.job_id)
         except Exception as exc:  # cluster gone or busy: bill the interval at the next sample that works
             log.debug("node meter: %s", exc)
             return
