@@ -21,10 +21,11 @@ import os
 import pathlib
 import uuid
 from typing import Any, Literal, overload
+from urllib.parse import parse_qs, urlsplit
 
 import pyarrow.fs as pafs
 
-from app.storage_retry import retrying
+from app.storage_retry import retrying, s3_client
 
 FileInfo = pafs.FileInfo
 FileType = pafs.FileType
@@ -68,6 +69,15 @@ def resolve_fs(path: str) -> tuple[pafs.FileSystem, str]:
             fs = retrying(fs)
         return fs, inner.rstrip("/") or inner
     return pafs.LocalFileSystem(), str(pathlib.Path(path).expanduser().resolve())
+
+
+def s3_client_for(uri: str) -> tuple[Any, str, str]:
+    """(boto3 S3 client, bucket, key) for an s3:// URI, for what pyarrow's filesystem does not expose
+    (conditional writes). Endpoint, scheme, region and any keys come from the URI's query string, as pyarrow
+    reads them; else from the usual AWS chain. Standard retries ride out a short outage."""
+    parts = urlsplit(uri)
+    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    return s3_client(query), parts.netloc, parts.path.lstrip("/")
 
 
 def _at(path: str, fs: pafs.FileSystem | None) -> tuple[pafs.FileSystem, str]:

@@ -19,7 +19,7 @@ import pathlib
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
 
 from app import storage
 
@@ -110,21 +110,7 @@ class S3LockStore(LockStore):
     region and any keys come from the URI's query string, as pyarrow reads them; else from the usual chain."""
 
     def __init__(self, uri: str):
-        import boto3
-        from botocore.config import Config
-
-        parts = urlsplit(uri)
-        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-        self.bucket, self.key = parts.netloc, parts.path.lstrip("/")
-        endpoint = query.get("endpoint_override")
-        if endpoint and "://" not in endpoint:
-            endpoint = f"{query.get('scheme', 'https')}://{endpoint}"
-        # Standard retries ride out a short outage, as the rest of lightray's storage calls do.
-        self.client = boto3.client("s3", endpoint_url=endpoint, region_name=query.get("region"),
-                                   aws_access_key_id=query.get("access_key"),
-                                   aws_secret_access_key=query.get("secret_key"),
-                                   aws_session_token=query.get("session_token"),
-                                   config=Config(retries={"max_attempts": 10, "mode": "standard"}))
+        self.client, self.bucket, self.key = storage.s3_client_for(uri)
 
     def _refused(self, exc: Exception) -> bool:
         code = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
