@@ -96,6 +96,21 @@ def config_from_args(args: argparse.Namespace, rest: list[str]) -> Config:
     return load_config(recipe, overrides)
 
 
+def write_reports(path: str) -> list[str]:
+    """``--report PATH``: the report of a run or Tune experiment folder (local or on object storage), with the
+    search report for an experiment; returns the paths written."""
+    from app.report.markdown import make_report, render_anywhere
+    from app.tune.report import is_experiment, write_search_report
+
+    def render(folder: str) -> list[str]:
+        out = [str(make_report(folder))]
+        if is_experiment(folder):  # a tune experiment: importances, parallel coordinates, stop rungs
+            out += [str(p) for p in write_search_report(folder).values()]
+        return out
+
+    return render_anywhere(path, render)
+
+
 def main(argv: list[str] | None = None, *, guard: bool = False) -> int:
     """Run one command. ``guard`` (the program's entry points only, never a caller in the same process): the
     driver of a run or a search runs in a child that a guardian process speaks for if Ray ends it
@@ -111,8 +126,6 @@ def main(argv: list[str] | None = None, *, guard: bool = False) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.report:
-        from app.report.markdown import write_reports
-
         print("\n".join(write_reports(args.report)))
         return 0
     try:

@@ -106,7 +106,7 @@ def test_report_of_a_run_on_s3_is_written_back_beside_its_records(s3_storage, tm
 
 
 def test_report_of_an_empty_uri_names_it(s3_storage) -> None:
-    from app.report.markdown import write_reports
+    from app.cli import write_reports
 
     uri = storage.join(s3_storage, "no-such-run")
     with pytest.raises(FileNotFoundError, match="no-such-run.*expected a run folder"):

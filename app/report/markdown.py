@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,26 +51,20 @@ def make_report(path: str) -> Path:
     return make_run_report(p)
 
 
-def write_reports(path: str) -> list[str]:
-    """``--report PATH``: the run's (or experiment's) report, plus the search report for a Tune experiment;
-    returns what was written. PATH may be on object storage: what a report reads is copied to a temporary
-    folder, rendered there, and its ``report/`` folder is written back beside the run's records."""
-    from app.tune.report import is_experiment, write_search_report
-
+def render_anywhere(path: str, render: Callable[[str], list[str]]) -> list[str]:
+    """``render(folder) -> paths written`` on a run or experiment folder. PATH may be on object storage: what a
+    report reads is copied to a temporary folder, rendered there, and its ``report/`` folder is written back
+    beside the run's records; the URIs written are returned, report.md first."""
     if not storage.is_uri(path):
-        out = [str(make_report(path))]
-        if is_experiment(path):  # a tune experiment: importances, parallel coordinates, stop rungs
-            out += [str(p) for p in write_search_report(path).values()]
-        return out
+        return render(path)
     import tempfile
 
     from app.report.record_sync import fetch_for_report, push_folder
 
     with tempfile.TemporaryDirectory(prefix="lightray-report-") as tmp:
-        local = fetch_for_report(path, tmp)
-        write_reports(local)
-        pushed = push_folder(str(Path(local) / REPORT_DIR), storage.join(path, REPORT_DIR))
-    return sorted(pushed, key=lambda u: not u.split("?")[0].endswith("report.md"))  # report.md first
+        render(fetch_for_report(path, tmp))
+        pushed = push_folder(str(Path(tmp) / REPORT_DIR), storage.join(path, REPORT_DIR))
+    return sorted(pushed, key=lambda u: not u.split("?")[0].endswith("report.md"))
 
 
 def make_run_report(run_dir: Path) -> Path:
