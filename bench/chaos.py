@@ -18,9 +18,15 @@ run has recovered from the one before):
 - ``storage_write_fail``: the folder name of the next checkpoint taken by a plain file, so that its write
   fails once (as on a full or read-only checkpoint directory); the file is removed once the worker group has
   restarted, so that the retry writes it.
+- ``peer_hang``: one Train worker process stopped (SIGSTOP), as a worker wedged in a driver call or a
+  collective: its peers' next collective fails after ``scaling.collective_timeout_s`` (``--collective-timeout-s``
+  here, 45 s by default against the recipe's 300 s), and Ray Train replaces the group. The injection records
+  whether the stopped process was ended by the restart (a hung worker left behind would hold its GPU).
 
 Figures per fault kind (``figures.faults.<kind>``): ``injected``, ``survived`` (the run trained on after it and
-finished), ``lost_samples`` (samples trained again: the last step reported before the start that
+finished), ``outlived`` (the run finished without a step after it: too late to tell, never counted as
+survived; a fault whose turn comes past 75 % of the run is not injected at all, ``figures.not_injected``),
+``lost_samples`` (samples trained again: the last step reported before the start that
 followed the fault minus the samples_seen that start resumed from), ``restart_s`` (seconds from the
 injection to the first training step of the next start; for ``node_add`` to the first step at the grown
 size). ``figures.audit_exact``: per epoch, the sample ids the final model carries equal the epoch plan's as a
@@ -46,6 +52,7 @@ import json
 import os
 import pathlib
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -71,10 +78,13 @@ from tests.faults import (  # noqa: E402  (the same real cluster + driver helper
     steps_for,
 )
 
-PRIMARY = ("node_kill", "preemption", "driver_kill", "checkpoint_corrupt", "storage_write_fail")
+PRIMARY = ("node_kill", "preemption", "driver_kill", "checkpoint_corrupt", "storage_write_fail", "peer_hang")
 KINDS = (*PRIMARY, "node_add")
 CHECKPOINT_EVERY = 4
 NOTICE_S = 30.0  # the spot notice's deadline (AWS gives 120 s; shorter keeps the soak short)
+# A fault is placed only where the run can still react to it: not past this fraction of its samples (a spot
+# notice needs its drain, a restart its first step, before the run ends).
+LATE = 0.75
 STEP_TIMEOUT_S = 600  # no progress for this long = the run is stuck (a failure of the bench, not a figure)
 
 
@@ -122,20 +132,57 @@ def _next_checkpoint_samples(run: pathlib.Path, after: int) -> int | None:
     return None
 
 
+def _train_worker_pids(nodes: NodeCluster) -> list[int]:
+    """The Train worker processes on the worker nodes: the processes below each node's raylet whose title
+    Ray sets to ``ray::RayTrainWorker...``."""
+    import psutil
+    from ray._private import ray_constants
+
+    from bench.common import process_tree
+
+    pids = []
+    for node in nodes.nodes:
+        raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+        for proc in process_tree(raylet):
+            try:
+                if "RayTrainWorker" in " ".join(proc.cmdline()):
+                    pids.append(proc.pid)
+            except psutil.NoSuchProcess:
+                continue
+    return pids
+
+
+def _ended(pid: int) -> bool:
+    """Whether a stopped worker is gone (or a zombie); one still there is killed, not left stopped."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return True
+        proc.kill()
+        return False
+    except psutil.NoSuchProcess:
+        return True
+
+
 class Soak:
     """One run under the fault plan; ``run()`` returns the per-kind figures."""
 
     def __init__(self, nodes: NodeCluster, storage: pathlib.Path, cache: pathlib.Path, name: str, epochs: int,
-                 seed: int, imds, kinds: tuple[str, ...] = PRIMARY, env: dict | None = None):
+                 seed: int, imds, kinds: tuple[str, ...] = PRIMARY, env: dict | None = None,
+                 collective_timeout_s: int = 45):
         self.nodes, self.storage, self.cache, self.name = nodes, storage, cache, name
         self.env = env or {}
         self.kinds = kinds
         self.epochs, self.seed, self.imds = epochs, seed, imds
         self.run_dir = storage / name
         self.args = ("--workers", f"1:{nodes.n_workers}", "--scaling.resize_check_s=2", "--checkpoint.keep=3",
-                     "--report.every_steps=1", f"--scaling.seed={seed}")
+                     "--report.every_steps=1", f"--scaling.seed={seed}",
+                     f"--scaling.collective_timeout_s={collective_timeout_s}")
         self.proc = None
         self.injected: list[dict] = []  # {kind, time, before (last samples_seen), ...}
+        self.skipped: list[dict] = []  # faults whose turn came too late in the run to react to them
         self.outputs: list[list[str]] = []  # each driver's output lines
         self._reader: threading.Thread | None = None
 
@@ -202,6 +249,11 @@ class Soak:
                 fault["corrupted"] = newest.name
             fault["time"] = time.time()  # the new driver's start counts from here
             self._start_driver(resume=True)
+        elif kind == "peer_hang":
+            pids = _train_worker_pids(self.nodes)
+            if pids:
+                os.kill(pids[0], signal.SIGSTOP)
+                fault["stopped_pid"] = pids[0]
         elif kind == "storage_write_fail":
             target = _next_checkpoint_samples(self.run_dir, fault["before"] + 32)
             if target is not None:
@@ -249,7 +301,10 @@ class Soak:
                 blocker.unlink()
             return passed and not blocker.exists()
         starts = _starts_after(recs, fault["time"])
-        return bool(starts) and any(r["time"] > starts[0]["time"] for r in _train(recs))
+        done = bool(starts) and any(r["time"] > starts[0]["time"] for r in _train(recs))
+        if done and "stopped_pid" in fault:
+            fault["hung_process_ended"] = _ended(fault.pop("stopped_pid"))
+        return done
 
     # -- the run ---------------------------------------------------------------------------------------
     def run(self) -> float:
@@ -259,12 +314,17 @@ class Soak:
         self._wait(lambda: (self.run_dir / "config.yaml").is_file() and checkpoints(self.run_dir),
                    "the first checkpoint")
         plan = fault_plan(self.seed, self.kinds)
-        points = iter(trigger_points(self.seed, len(self.kinds), run_schedule(self.run_dir).total_samples))
+        total = run_schedule(self.run_dir).total_samples
+        points = iter(trigger_points(self.seed, len(self.kinds), total))
         for kind in plan:
             if kind != "node_add":
                 at = next(points)
                 if self._wait(lambda at=at: self._last().get("samples_seen", 0) >= at, f"samples_seen >= {at}") is None:
                     break  # the run ended before this fault's turn
+                if self._last().get("samples_seen", 0) > LATE * total:  # earlier recoveries took the run this far
+                    self.skipped.append({"kind": kind, "at": self._last().get("samples_seen", 0)})
+                    note(f"chaos: {kind} not injected: the run is past {LATE:.0%} of its samples")
+                    continue
             fault = self._inject(kind)
             if self._wait(lambda fault=fault: self._recovered(fault), f"recovery from {kind}") is None:
                 break
@@ -275,7 +335,7 @@ class Soak:
         recs = records(self.run_dir)
         summary = json.loads((self.run_dir / "summary.json").read_text())
         finished = summary["status"] == "finished"
-        out = {k: {"injected": 0, "survived": 0, "lost_samples": 0, "restart_s": []} for k in KINDS}
+        out = {k: {"injected": 0, "survived": 0, "outlived": 0, "lost_samples": 0, "restart_s": []} for k in KINDS}
         details = []
         ends = [f["time"] for f in self.injected[1:]] + [float("inf")]
         for f, end in zip(self.injected, ends):
@@ -301,18 +361,22 @@ class Soak:
             if f["kind"] == "checkpoint_corrupt":  # the resume must have skipped the corrupt checkpoint
                 ok = ok and start is not None and any(f["corrupted"] in s for s in start.get("skipped_checkpoints", []))
             row["survived"] += int(ok)
+            # The run ended before it took a step after the fault: it outlived the fault, which proves nothing
+            # either way (counted apart, never as survived).
+            outlived = finished and not ok and start is None and not after
+            row["outlived"] += int(outlived)
             row["lost_samples"] += int(lost or 0)
             if first is not None:
                 row["restart_s"].append(round(first["time"] - f["time"], 1))
             details.append({k: v for k, v in f.items() if k not in ("blocker",)} | {
-                "survived": ok, "lost_samples": lost, "resumed_at": start["samples_seen"] if start else None,
-                "starts": len(starts)})
+                "survived": ok, "outlived": outlived, "lost_samples": lost,
+                "resumed_at": start["samples_seen"] if start else None, "starts": len(starts)})
         for row in out.values():
             times = row["restart_s"]
             row["restart_s"] = round(max(times), 1) if times else None  # the worst one of the kind
         return {"faults": out, "status": summary["status"], "samples_seen": summary["samples_seen"],
                 "final_top1": summary["final_top1"], "restarts": summary["restarts"], "resizes": summary["resizes"],
-                "injections": details}
+                "injections": details, "not_injected": self.skipped}
 
 
 def reference_run(nodes: NodeCluster, storage: pathlib.Path, cache: pathlib.Path, name: str, epochs: int,
@@ -341,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="skip the uninterrupted reference run (no top1/wall ratios; the test's short form)")
     p.add_argument("--group-start-timeout-s", type=float, default=None,
                    help="Ray Train's worker-group start timeout in the driver (default: Ray's, 60 s)")
+    p.add_argument("--collective-timeout-s", type=int, default=45,
+                   help="the run's scaling.collective_timeout_s: how long peers wait on a hung worker (peer_hang)")
     args = p.parse_args(argv)
     if args.group_start_timeout_s is not None and args.group_start_timeout_s <= 0:
         p.error(f"--group-start-timeout-s={args.group_start_timeout_s}: expected a positive number of seconds")
@@ -362,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     epochs = epochs_for(args.minutes)
     stamp = time.strftime("%H%M%S")
     with NodeCluster(workers=args.nodes) as nodes, ImdsServer() as imds:
-        soak = Soak(nodes, storage, cache, f"chaos-{stamp}", epochs, args.seed, imds, kinds, env=driver_env)
+        soak = Soak(nodes, storage, cache, f"chaos-{stamp}", epochs, args.seed, imds, kinds, env=driver_env,
+                    collective_timeout_s=args.collective_timeout_s)
         try:
             wall = soak.run()
         finally:
@@ -380,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         "audit_exact": diff == {}, "audit_diff": {str(k): v for k, v in diff.items()},
         "uninterrupted_top1": ref["final_top1"], "epochs": epochs, "seed": args.seed,
         "plan": fault_plan(args.seed, kinds), "wall_s": round(wall, 1),
-        "group_start_timeout_s": args.group_start_timeout_s,
+        "group_start_timeout_s": args.group_start_timeout_s, "collective_timeout_s": args.collective_timeout_s,
         "uninterrupted_wall_s": round(ref_wall, 1) if ref_wall else None,
         "overhead_s": round(wall - ref_wall, 1) if ref_wall else None,
         "all_survived": all(r["survived"] == r["injected"] for r in figures["faults"].values()),

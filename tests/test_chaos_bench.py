@@ -42,15 +42,18 @@ def test_fault_plan_keeps_only_the_chosen_kinds():
 
 
 @pytest.mark.slow
-def test_chaos_soak_survives_a_preemption_and_a_failed_write_with_an_exact_audit(tmp_path):
+def test_chaos_soak_survives_a_preemption_and_a_hung_peer_with_an_exact_audit(tmp_path):
     """The short form CI runs (the whole soak, every kind and a reference run, is about 20 minutes here:
     ``python -m bench.chaos --minutes 0``); each other kind also has its own test (test_multinode_faults,
-    test_resume, test_checkpoint_write_failure)."""
-    chosen = ("preemption", "storage_write_fail")
+    test_resume, test_checkpoint_write_failure). The hung peer is a real Train worker stopped with SIGSTOP:
+    its peer's collective fails after the run's collective timeout and Ray Train replaces the group."""
+    chosen = ("preemption", "peer_hang")
+    timeout_s = 30
     # A 15 s worker-group start timeout: the restart after the preemption stops waiting for the draining node
     # sooner (Ray's 60 s was most of this test's time); what is checked below is unchanged.
     out = subprocess.run([sys.executable, "-m", "bench.chaos", "--minutes", "0", "--seed", "0",
                           "--faults", ",".join(chosen), "--no-reference", "--group-start-timeout-s", "15",
+                          "--collective-timeout-s", str(timeout_s),
                           "--keep", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, timeout=3000)
     assert out.returncode == 0, out.stderr[-6000:]
@@ -59,12 +62,17 @@ def test_chaos_soak_survives_a_preemption_and_a_failed_write_with_an_exact_audit
     faults = result["figures"]["faults"]
     assert set(faults) == set(KINDS)
     for kind, row in faults.items():
-        assert set(row) == {"injected", "survived", "lost_samples", "restart_s"}, kind
+        assert set(row) == {"injected", "survived", "outlived", "lost_samples", "restart_s"}, kind
         want = 1 if kind in chosen or kind == "node_add" else 0
         assert row["injected"] == want, (kind, result["figures"]["injections"])
         assert row["survived"] == row["injected"], (kind, result["figures"]["injections"])
     # A noticed preemption checkpoints at the notice: nothing is trained twice.
     assert faults["preemption"]["lost_samples"] == 0
+    # The hung worker was ended by the restart (not left stopped, holding its device), and the run came back
+    # within the collective timeout plus a worker-group restart.
+    (hang,) = [f for f in result["figures"]["injections"] if f["kind"] == "peer_hang"]
+    assert hang["hung_process_ended"] is True and not hang["outlived"], hang
+    assert faults["peer_hang"]["restart_s"] < timeout_s + 60, faults["peer_hang"]
     assert result["figures"]["audit_exact"] is True, result["figures"]["audit_diff"]
     assert result["figures"]["status"] == "finished" and result["figures"]["group_start_timeout_s"] == 15
     assert result["ratios"]["top1_over_uninterrupted"] is None  # no reference run in the short form

@@ -3,6 +3,7 @@ gloo group with a short timeout turns a missing peer into an error within second
 
 from __future__ import annotations
 
+import os
 import pathlib
 import socket
 import subprocess
@@ -84,3 +85,24 @@ def test_hierarchical_subgroups_take_the_configured_timeout():
     topology = Topology(world_size=1, rank=0, local_rank=0, local_world_size=1, node_rank=0, num_nodes=1)
     hook = CommHook(CommConfig(mode="hierarchical_topk"), topology, "cpu", timeout_s=9)
     assert hook.group_timeout is not None and hook.group_timeout.total_seconds() == 9
+
+
+def test_a_failed_group_waits_seconds_not_half_a_minute_for_a_hung_worker_to_leave_its_process_group():
+    """Ray Train's controller waits TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S (Ray's default: 30 s) for every worker
+    of a failed group to leave its process group, which a hung worker never does. The run's job carries a short
+    one to every process Ray starts for it (the controller included), and a value the user set wins."""
+    script = textwrap.dedent("""
+        import os, ray
+        from app.config import load_config
+        from app.train.runner import connect_ray
+        connect_ray(load_config("smoke", {"scaling.ray_address": "local", "scaling.ray_num_cpus": "2"}))
+        print(ray.get(ray.remote(lambda: os.environ.get("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S")).remote()))
+        ray.shutdown()
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S"}
+    for user_value, expected in ((None, "5"), ("12", "12")):
+        run_env = env if user_value is None else {**env, "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": user_value}
+        out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=run_env, capture_output=True, text=True,
+                             timeout=180)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.strip().splitlines()[-1] == expected

@@ -70,6 +70,19 @@ def newest_run(storage_path: str) -> str | None:
     return max(configs, key=lambda i: i.mtime).path.rsplit("/", 2)[-2]
 
 
+# Ray Train's controller waits this long for every worker to leave its process group before it kills a failed
+# group (Ray's default: 30 s). A healthy worker leaves in milliseconds; a hung one (stopped, wedged in a driver
+# call) never does, so the default adds 30 s to every hung-peer restart, after the collective timeout.
+PG_SHUTDOWN_TIMEOUT_S = "5"
+
+
+def job_env() -> dict[str, str]:
+    """Environment of every process of the run's Ray job (Ray Train's controller reads only a few RAY_TRAIN_*
+    variables from the driver); a value the user set wins."""
+    key = "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S"
+    return {key: os.environ.get(key, PG_SHUTDOWN_TIMEOUT_S)}
+
+
 def connect_ray(cfg: Config, verbose: bool = False, dashboard: bool = False) -> bool:
     """Join a running cluster if there is one, else start a local one with more logical CPUs than cores
     (Train workers reserve CPUs; Ray Data's tasks need some left or the run stalls). Returns True when
@@ -81,7 +94,8 @@ def connect_ray(cfg: Config, verbose: bool = False, dashboard: bool = False) -> 
     ten processes (its head and one per module) and several hundred MB on a laptop."""
     if ray.is_initialized():
         return False
-    kwargs: dict[str, Any] = {"log_to_driver": verbose, "include_dashboard": dashboard}
+    kwargs: dict[str, Any] = {"log_to_driver": verbose, "include_dashboard": dashboard,
+                              "runtime_env": {"env_vars": job_env()}}
     try:
         from app.report.progress import quiet_ray_logging
 
