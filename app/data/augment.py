@@ -63,24 +63,48 @@ def train_crop(img: Image.Image, size: int, min_scale: float, rng: np.random.Gen
 
 
 # --- the device path's CPU side: a window copy, the crop itself runs batched on the worker's device ---------
-# A crop box's sides are at most sqrt(area * 4/3) (aspect within [3/4, 4/3], scale <= 1) and never more than
-# the image's; the window adds one pixel each side for bilinear's neighbours plus the rounding outwards.
+# A crop box's aspect is within [3/4, 4/3] and its sides never exceed the image's, both in crop_box's tries and
+# in its fallback (torchvision's RandomResizedCrop), so its width is at most min(w, h * 4/3) and its height
+# min(h, w * 4/3). (That also implies the old sqrt(area * 4/3) bound: min(w, 4h/3) <= sqrt(w * 4h/3).) The
+# window adds one pixel each side for bilinear's neighbours plus the rounding outwards, ceil(box side) + 3 at
+# most, so the margin of 4 over ceil(side bound) holds even when float rounding puts a box an ulp past 4/3.
 WINDOW_MARGIN = 4
+RATIO_HI = 4 / 3
 
 
-def window_bound(height: int, width: int, ratio_hi: float = 4 / 3) -> tuple[int, int]:
-    """The largest (h, w) window :func:`crop_window` copies from an image of this size."""
-    side = math.ceil(math.sqrt(height * width * ratio_hi)) + WINDOW_MARGIN
-    return min(height, side), min(width, side)
+def window_bound(height: int, width: int, ratio_hi: float = RATIO_HI) -> tuple[int, int]:
+    """The largest (h, w) window :func:`crop_window` copies from an image of this size: an extreme-aspect image
+    (a 288 x 2000 panorama) gives a window about as wide as its short side * 4/3, not sqrt(its area * 4/3)."""
+    return (min(height, math.ceil(width * ratio_hi) + WINDOW_MARGIN),
+            min(width, math.ceil(height * ratio_hi) + WINDOW_MARGIN))
 
 
 def canvas_for(heights: np.ndarray, widths: np.ndarray) -> tuple[int, int]:
     """One (h, w) canvas that holds any sample's window, plus a row and column for the edge copy: every batch
-    of a phase has this shape, so Ray Data re-batches across blocks and the model sees one input shape."""
+    of a phase has this shape, so Ray Data re-batches across blocks and the model sees one input shape.
+    The same bound as :func:`window_bound`, over many images at once (the same float products and ceilings)."""
     if len(heights) == 0:
         return 1, 1
-    side = np.ceil(np.sqrt(heights.astype(np.float64) * widths * (4 / 3))) + WINDOW_MARGIN
-    return int(np.minimum(heights, side).max()) + 1, int(np.minimum(widths, side).max()) + 1
+    h = np.asarray(heights, dtype=np.int64)
+    w = np.asarray(widths, dtype=np.int64)
+    bh = np.minimum(h, np.ceil(w.astype(np.float64) * RATIO_HI).astype(np.int64) + WINDOW_MARGIN)
+    bw = np.minimum(w, np.ceil(h.astype(np.float64) * RATIO_HI).astype(np.int64) + WINDOW_MARGIN)
+    return int(bh.max()) + 1, int(bw.max()) + 1
+
+
+def window_boxes(boxes: np.ndarray, heights: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """(n, 4) int64 windows (x0, y0, x1, y1, exclusive ends) around (n, 4) crop boxes of images of these sizes:
+    one pixel past the box's floor/ceil each side, clipped to the image. The same arithmetic as
+    :func:`crop_window` (floor/ceil of the same float64 values), for a whole batch."""
+    b = np.asarray(boxes, dtype=np.float64).reshape(-1, 4)
+    h = np.asarray(heights, dtype=np.int64)
+    w = np.asarray(widths, dtype=np.int64)
+    out = np.empty((len(b), 4), np.int64)
+    out[:, 0] = np.maximum(0, np.floor(b[:, 0]).astype(np.int64) - 1)
+    out[:, 1] = np.maximum(0, np.floor(b[:, 1]).astype(np.int64) - 1)
+    out[:, 2] = np.minimum(w, np.ceil(b[:, 2]).astype(np.int64) + 1)
+    out[:, 3] = np.minimum(h, np.ceil(b[:, 3]).astype(np.int64) + 1)
+    return out
 
 
 def crop_window(pixels: np.ndarray, box: tuple[float, float, float, float], out: np.ndarray) -> np.ndarray:
@@ -88,7 +112,8 @@ def crop_window(pixels: np.ndarray, box: tuple[float, float, float, float], out:
     top-left aligned) and return the box in ``out``'s coordinates (same fractional parts: the same crop).
 
     The row and column after the window repeat its last ones, so a bilinear sample at the image's last half
-    pixel sees the edge pixel twice (PIL's clamp) rather than the zero padding."""
+    pixel sees the edge pixel twice (PIL's clamp) rather than the zero padding. One image at a time; a
+    block's samples go through :func:`copy_windows`, which gives the same canvases."""
     h, w = pixels.shape[:2]
     x0, y0, x1, y1 = box
     wx0, wy0 = max(0, math.floor(x0) - 1), max(0, math.floor(y0) - 1)
@@ -98,6 +123,59 @@ def crop_window(pixels: np.ndarray, box: tuple[float, float, float, float], out:
     out[:wh, ww] = out[:wh, ww - 1]
     out[wh, :ww + 1] = out[wh - 1, :ww + 1]
     return np.array([x0 - wx0, y0 - wy0, x1 - wx0, y1 - wy0], dtype=np.float32)
+
+
+def draw_crops(seed: int, epochs: np.ndarray, ids: np.ndarray, heights: np.ndarray, widths: np.ndarray,
+               min_scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """((n, 4) float64 boxes, (n,) flips): :func:`draw_crop` of every sample from its own
+    ``sample_rng(seed, epoch, id)``. Stays a loop: the draws are crop_box's rejection loop over Python's
+    math.log/exp/sqrt, and numpy's vectorised exp/log are not guaranteed to round as libm does, so a
+    vectorised draw could move a box by an ulp away from the CPU path's."""
+    boxes, flips = [], []
+    for epoch, sid, h, w in zip(np.asarray(epochs).tolist(), np.asarray(ids).tolist(),
+                                np.asarray(heights).tolist(), np.asarray(widths).tolist()):
+        box, flip = draw_crop(sample_rng(seed, epoch, sid), w, h, min_scale)
+        boxes.append(box)
+        flips.append(flip)
+    return np.asarray(boxes, np.float64).reshape(-1, 4), np.asarray(flips, bool)
+
+
+def copy_windows(pixels: list[np.ndarray], boxes: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """:func:`crop_window` of every sample at once: ``pixels[i]``'s window around ``boxes[i]`` into ``out[i]``
+    (zeroed (n, H, W, 3) canvases); returns the (n, 4) float32 boxes in canvas coordinates.
+
+    The windows come from one vectorised computation and the edge row and column from two fancy-indexed
+    copies for the whole batch; what stays per image is the one slice copy (images differ in size, so no
+    single gather covers them without copying whole canvas rows past each window)."""
+    n = len(pixels)
+    if n == 0:
+        return np.zeros((0, 4), np.float32)
+    heights = np.fromiter((p.shape[0] for p in pixels), np.int64, n)
+    widths = np.fromiter((p.shape[1] for p in pixels), np.int64, n)
+    wins = window_boxes(boxes, heights, widths)
+    for i, (px, (x0, y0, x1, y1)) in enumerate(zip(pixels, wins.tolist())):
+        out[i, :y1 - y0, :x1 - x0] = px[y0:y1, x0:x1]
+    ww, wh = wins[:, 2] - wins[:, 0], wins[:, 3] - wins[:, 1]
+    at = np.arange(n)[:, None]
+    rows = np.arange(out.shape[1])[None, :]
+    # The column after each window, on every row: rows past the window copy zeros onto zeros, and the row
+    # after it is rewritten just below, so the result is crop_window's.
+    out[at, rows, ww[:, None]] = out[at, rows, ww[:, None] - 1]
+    cols = np.arange(out.shape[2])[None, :]
+    out[at, wh[:, None], cols] = out[at, wh[:, None] - 1, cols]
+    return (np.asarray(boxes, np.float64) - wins[:, [0, 1, 0, 1]]).astype(np.float32)
+
+
+def device_windows(pixels: list[np.ndarray], seed: int, epochs: np.ndarray, ids: np.ndarray, min_scale: float,
+                   canvas: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The device path's task work for a block: (uint8 (n, *canvas, 3) windows, float32 (n, 4) boxes in canvas
+    pixels, (n,) flips), every draw from (seed, epoch, sample id) as the CPU path draws it."""
+    n = len(pixels)
+    heights = np.fromiter((p.shape[0] for p in pixels), np.int64, n)
+    widths = np.fromiter((p.shape[1] for p in pixels), np.int64, n)
+    boxes, flips = draw_crops(seed, epochs, ids, heights, widths, min_scale)
+    images = np.zeros((n, *canvas, 3), np.uint8)
+    return images, copy_windows(pixels, boxes, images), flips
 
 
 def resolve_augment_on(want: str, workers_use_cuda: bool) -> tuple[str, str]:

@@ -65,13 +65,13 @@ def _calibration_task(spec: IngestSpec, phase: int, start: int, rows: int) -> in
             augment.draw_crop(augment.sample_rng(spec.seed, 0, sid), w, h, ph.min_scale)
             n += 1
         return n
-    if ph.device_augment:  # the device path's task work: draw the crop, copy the window onto the canvas
-        canvas = np.zeros((*ph.canvas, 3), np.uint8)
-        for px, _label, sid in ph.shards.arrays(spec.local_dir, shard_idx, r, spec.local_max_bytes):
-            box, _ = augment.draw_crop(augment.sample_rng(spec.seed, 0, sid), px.shape[1], px.shape[0], ph.min_scale)
-            augment.crop_window(px, box, canvas)
-            n += 1
-        return n
+    if ph.device_augment:  # the device path's task work, as the ingest's map does it: draw the crops, copy
+        # every window onto the block's canvases
+        found = list(ph.shards.arrays(spec.local_dir, shard_idx, r, spec.local_max_bytes))
+        pixels = [px for px, _label, _sid in found]
+        ids = np.asarray([sid for _px, _label, sid in found], np.int64)
+        augment.device_windows(pixels, spec.seed, np.zeros(len(ids), np.int64), ids, ph.min_scale, ph.canvas)
+        return len(pixels)
     for img, _label, sid in ph.shards.images(spec.local_dir, shard_idx, r, spec.local_max_bytes):
         augment.train_crop(img, ph.resolution, ph.min_scale, augment.sample_rng(spec.seed, 0, sid))
         n += 1

@@ -3,9 +3,12 @@ and flip bit, drawn as every other path draws them), and the Train worker decode
 ``torchvision.io.decode_jpeg`` call on its device (batched nvJPEG on CUDA; libjpeg-turbo on the CPU device, the
 same library PIL uses, so the pixels there are the CPU path's).
 
-The decoded images differ in size, so they are pasted top-left onto one zeroed canvas per batch with the row and
-column after each image repeating its last ones: the batched crop (``app.train.device.crop_resize_flip``) then
-samples edge pixels as PIL's clamp does, exactly as on the windows the device-augmentation path ships.
+The decoded images differ in size, so each one's *window around its crop box* (``app.data.augment.window_boxes``,
+the window the device-augmentation path ships) is pasted top-left onto one canvas per batch, the boxes moved into
+window coordinates by whole pixels (the same crop), and the rows and columns past each window repeat its last
+ones: the batched crop (``app.train.device.crop_resize_flip``) then samples edge pixels as PIL's clamp does.
+A crop box's aspect is within [3/4, 4/3], so a window, and the canvas, is at most about the short side * 4/3 in
+each direction (``augment.window_bound``): a few panoramas in a batch no longer make its canvas their size.
 
 A bad image (bytes that fail to decode: a damaged shard, since prepare rejects bad files) fails the whole
 batched call, so that batch is decoded again image by image; the bad ones are dropped with their labels (the
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from app.data import augment
 from app.data.timing import images_per_s
 
 log = logging.getLogger(__name__)
@@ -30,8 +34,8 @@ SKIPPED: list[int] = []  # sample ids this process could not decode, in the orde
 
 @dataclass
 class DecodedBatch:
-    canvas: torch.Tensor  # uint8 NHWC on the device (a view of NCHW memory), kept samples only
-    boxes: torch.Tensor  # (n, 4) float32 crop boxes in canvas pixels (the canvas is top-left aligned)
+    canvas: torch.Tensor  # uint8 NHWC on the device (a view of NCHW memory), kept samples only: their windows
+    boxes: torch.Tensor  # (n, 4) float32 crop boxes in canvas pixels (each window top-left aligned)
     flips: torch.Tensor  # (n,) bool
     keep: np.ndarray  # bool over the delivered batch: False where the bytes did not decode
     skipped: list[int]  # sample ids dropped from this batch
@@ -77,22 +81,39 @@ def decode(data: list[torch.Tensor], device: torch.device | str) -> tuple[list[t
     return out, bad
 
 
-def paste(images: list[torch.Tensor], device: torch.device | str) -> torch.Tensor:
-    """CHW images onto one (n, 3, H+1, W+1) canvas, top-left, each with its last row and column repeated once."""
-    h = max(int(im.shape[1]) for im in images) + 1
-    w = max(int(im.shape[2]) for im in images) + 1
-    canvas = torch.zeros((len(images), 3, h, w), dtype=torch.uint8, device=device)
-    for i, im in enumerate(images):
-        ih, iw = int(im.shape[1]), int(im.shape[2])
-        canvas[i, :, :ih, :iw] = im
-        canvas[i, :, ih, :iw] = im[:, ih - 1]
-        canvas[i, :, :ih + 1, iw] = canvas[i, :, :ih + 1, iw - 1]
-    return canvas
+def _from_host(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array as a tensor on ``device``. On CUDA it goes through pinned memory with a non-blocking
+    copy: from pageable memory the copy would make the host wait, and the host is what queues the kernels."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def paste(images: list[torch.Tensor], windows: np.ndarray | None, device: torch.device | str) -> torch.Tensor:
+    """Each CHW image's window (``windows[i]`` = x0, y0, x1, y1, exclusive ends, in its pixels; None: the whole
+    images) onto one (n, 3, H+1, W+1) canvas, top-left, H x W the largest window; past its window each
+    canvas repeats the window's last row and column (the edge copy PIL's clamp needs; the crop samples
+    nothing further out).
+
+    One gather per image (an index with the window's row and column numbers, clamped) and one stack, not three
+    copies per image; the row and column numbers of the whole batch reach the device as one array."""
+    device = torch.device(device)
+    if windows is None:
+        windows = np.array([[0, 0, int(im.shape[2]), int(im.shape[1])] for im in images], np.int64)
+    wh = windows[:, 3] - windows[:, 1]
+    ww = windows[:, 2] - windows[:, 0]
+    h, w = int(wh.max()) + 1, int(ww.max()) + 1
+    rows = windows[:, 1:2] + np.minimum(np.arange(h), wh[:, None] - 1)
+    cols = windows[:, 0:1] + np.minimum(np.arange(w), ww[:, None] - 1)
+    idx = _from_host(np.concatenate([rows, cols], axis=1), device)
+    return torch.stack([im[:, idx[i, :h, None], idx[i, None, h:]] for i, im in enumerate(images)])
 
 
 def decode_batch(batch: dict, device: torch.device | str) -> DecodedBatch:
-    """A delivered device-decode batch (``jpeg``, ``box``, ``flip``, ``sample_id``) decoded and pasted on
-    ``device``; the boxes are in stored-image pixels, which are the canvas's (top-left aligned)."""
+    """A delivered device-decode batch (``jpeg``, ``box``, ``flip``, ``sample_id``; boxes in stored-image
+    pixels) decoded on ``device``, each kept image's window around its box pasted onto the canvas and its box
+    moved into the window's coordinates."""
     device = torch.device(device)
     images, bad = decode(as_tensors(batch["jpeg"]), device)
     keep = np.ones(len(images), bool)
@@ -106,9 +127,14 @@ def decode_batch(batch: dict, device: torch.device | str) -> DecodedBatch:
     kept = [im for im in images if im is not None]
     if not kept:
         raise RuntimeError(f"device decode: no image of a batch of {len(images)} decoded (sample ids {skipped})")
-    canvas = paste(kept, device)
-    boxes = torch.from_numpy(np.ascontiguousarray(batch["box"][keep], dtype=np.float32)).to(device)
-    flips = torch.from_numpy(np.ascontiguousarray(batch["flip"][keep], dtype=bool)).to(device)
+    # The float32 boxes the CPU side shipped are the crop: the windows are taken around them, and moving a
+    # float32 below 2**23 by whole pixels is exact, so each box keeps its place in its image.
+    box = np.asarray(batch["box"], dtype=np.float32)[keep].astype(np.float64)
+    windows = augment.window_boxes(box, np.array([int(im.shape[1]) for im in kept], np.int64),
+                                   np.array([int(im.shape[2]) for im in kept], np.int64))
+    canvas = paste(kept, windows, device)
+    boxes = _from_host((box - windows[:, [0, 1, 0, 1]]).astype(np.float32), device)
+    flips = _from_host(np.asarray(batch["flip"], dtype=bool)[keep], device)
     return DecodedBatch(canvas.permute(0, 2, 3, 1), boxes, flips, keep, skipped)
 
 
@@ -120,8 +146,8 @@ def describe(device: torch.device, phases: list[int]) -> str:
 
 
 def decode_rate(encoded: list[bytes], device: torch.device | str, seconds: float = 1.0, batch: int = 64) -> float:
-    """Images/s of batched decode (plus the canvas paste) of ``encoded`` on ``device`` (timed as
-    :func:`app.data.timing.images_per_s` times)."""
+    """Images/s of batched decode (plus the canvas paste, of whole images: no boxes here, so an upper bound of
+    the windows' paste) of ``encoded`` on ``device`` (timed as :func:`app.data.timing.images_per_s` times)."""
     device = torch.device(device)
     data = as_tensors(encoded[:batch])
     if not data:
@@ -129,7 +155,7 @@ def decode_rate(encoded: list[bytes], device: torch.device | str, seconds: float
 
     def once() -> None:
         images, _ = decode(data, device)
-        paste([im for im in images if im is not None], device)
+        paste([im for im in images if im is not None], None, device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 

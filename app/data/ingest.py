@@ -87,21 +87,20 @@ def device_block_batch(blocks: dict, *, spec: IngestSpec, phase: int, rank: int,
     canvas pixels) and flip bit, drawn from (seed, epoch, sample id) exactly as the CPU path draws them. The
     per-image work is a copy; the worker crops, resizes and flips the whole batch on its device."""
     ph = spec.phases[phase]
-    pos = list(rank_positions(blocks, spec, phase, rank, world_size))
-    n = sum(len(rows) for _, _, rows in pos)
-    images = np.zeros((n, *ph.canvas, 3), np.uint8)
-    boxes = np.zeros((n, 4), np.float32)
-    flips = np.zeros(n, bool)
-    labels, ids, epochs = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64)
-    i = 0
-    for epoch, shard_idx, rows in pos:
+    pixels: list[np.ndarray] = []  # views into the shards (memory-mapped or object store): nothing copied yet
+    labels: list[int] = []
+    ids: list[int] = []
+    epochs: list[int] = []
+    for epoch, shard_idx, rows in rank_positions(blocks, spec, phase, rank, world_size):
         for px, label, sid in ph.shards.arrays(spec.local_dir, shard_idx, rows, spec.local_max_bytes):
-            box, flips[i] = augment.draw_crop(augment.sample_rng(spec.seed, epoch, sid), px.shape[1], px.shape[0],
-                                              ph.min_scale)
-            boxes[i] = augment.crop_window(px, box, images[i])
-            labels[i], ids[i], epochs[i] = label, sid, epoch
-            i += 1
-    return {"image": images, "box": boxes, "flip": flips, "label": labels, "sample_id": ids, "epoch": epochs}
+            pixels.append(px)
+            labels.append(label)
+            ids.append(sid)
+        epochs.extend([epoch] * len(rows))
+    ids_a, epochs_a = np.asarray(ids, np.int64), np.asarray(epochs, np.int64)
+    images, boxes, flips = augment.device_windows(pixels, spec.seed, epochs_a, ids_a, ph.min_scale, ph.canvas)
+    return {"image": images, "box": boxes, "flip": flips, "label": np.asarray(labels, np.int64), "sample_id": ids_a,
+            "epoch": epochs_a}
 
 
 def jpeg_block_batch(blocks: dict, *, spec: IngestSpec, phase: int, rank: int, world_size: int) -> dict:
