@@ -197,6 +197,9 @@ class DataConfig:
     augment_on: Annotated[Str, OneOf("auto", "cpu", "device")] = "auto"
     # where JPEG tiers are decoded: auto = timed at start (CPU tasks vs decode_jpeg on the workers' CUDA device)
     decode_on: Annotated[Str, OneOf("auto", "cpu", "device")] = "auto"
+    # decode_on=auto: the model's training images/s per GPU with decode elsewhere (device decode adds to its
+    # step time); 0 = unknown: the device only when the GPU decodes >= 1.62x what the CPUs feed
+    decode_model_img_s: Annotated[Float, Range(0.0, 10**7)] = 0.0
     demo_seed: Int = 0
     demo_classes: Annotated[Int, Range(2, 1000)] = 10
     demo_train_per_class: Annotated[Int, Range(1, 10**6)] = 320
@@ -231,7 +234,12 @@ class ModelConfig:
     head_warmup_epochs: Annotated[Float, Range(0.0, 10000)] = 0.0
     zero_init_residual: Bool = True
     channels_last: Bool = True
-    compile: Bool = False  # torch.compile, GPU only
+    # torch.compile the training forward: batch dimension dynamic, each phase resolution static (one compile per
+    # phase resolution); on a GPU only unless compile_on_cpu
+    compile: Bool = False
+    # with compile: compile on a CPU device too (inductor's C++ backend; needs a C compiler): for tests of the
+    # compiled path on machines without a GPU, not a speed-up
+    compile_on_cpu: Bool = False
     # auto = bf16 on GPU, fp32 on CPU
     precision: Annotated[Str, OneOf("auto", "fp32", "bf16", "fp16")] = "auto"
     # torch.compile mode

@@ -12,7 +12,9 @@ run has recovered from the one before):
   watcher actor (app/train/spot_watcher.py) on one worker node, which drains its node with reason PREEMPTION;
   once Ray Train has left it the node is removed.
 - ``node_add``: after each of the two above, a node is added back and the run grows again.
-- ``driver_kill``: the driver process killed (SIGKILL) and started again with ``--resume``.
+- ``driver_kill``: the driver process killed (SIGKILL) and started again with ``--resume``; the injection records
+  whether the new driver cancelled the dead one's resource bookings (app/train/stale_runs.py), which would
+  otherwise hold the worker group back for 3 minutes.
 - ``checkpoint_corrupt``: the driver killed, a byte flipped in the newest checkpoint's state file, the driver
   started again with ``--resume``: the resume must skip that checkpoint and take the one before.
 - ``storage_write_fail``: the folder name of the next checkpoint taken by a plain file, so that its write
@@ -304,6 +306,8 @@ class Soak:
         done = bool(starts) and any(r["time"] > starts[0]["time"] for r in _train(recs))
         if done and "stopped_pid" in fault:
             fault["hung_process_ended"] = _ended(fault.pop("stopped_pid"))
+        if done and fault["kind"] in ("driver_kill", "checkpoint_corrupt"):  # the new driver's own word
+            fault["released_bookings"] = any("cancelled the resource bookings" in line for line in self.outputs[-1])
         return done
 
     # -- the run ---------------------------------------------------------------------------------------

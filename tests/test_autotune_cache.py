@@ -3,6 +3,9 @@ shards reuses the stored answer instead of timing again, and a change of data or
 
 from __future__ import annotations
 
+import os
+
+import psutil
 import ray
 
 from app.data import autotune, autotune_cache
@@ -46,6 +49,9 @@ def test_calibration_cache_misses_for_other_data_or_another_machine(tmp_path, ra
                                               "reason": "r"})
     assert autotune_cache.load(spec.local_dir, key)["concurrency"] == 2
     assert key["machine"]["cluster_cpus"] == ray.cluster_resources()["CPU"]
+    # cores are physical; Ray's CPUs (twice the logical CPUs on lightray's local cluster) are recorded apart
+    assert key["machine"]["cores"] == psutil.cpu_count(logical=False)
+    assert key["machine"]["logical_cpus"] == os.cpu_count()
     other_machine = dict(key, machine=dict(key["machine"], cores=key["machine"]["cores"] + 1))
     assert autotune_cache.load(spec.local_dir, other_machine) is None
     spec.phases[0].shards.sha256 = ["0" * 64] * len(spec.phases[0].shards.sha256)  # other shards

@@ -42,12 +42,12 @@ def test_fault_plan_keeps_only_the_chosen_kinds():
 
 
 @pytest.mark.slow
-def test_chaos_soak_survives_a_preemption_and_a_hung_peer_with_an_exact_audit(tmp_path):
+def test_chaos_soak_survives_a_preemption_a_hung_peer_and_a_killed_driver_with_an_exact_audit(tmp_path):
     """The short form CI runs (the whole soak, every kind and a reference run, is about 20 minutes here:
     ``python -m bench.chaos --minutes 0``); each other kind also has its own test (test_multinode_faults,
     test_resume, test_checkpoint_write_failure). The hung peer is a real Train worker stopped with SIGSTOP:
     its peer's collective fails after the run's collective timeout and Ray Train replaces the group."""
-    chosen = ("preemption", "peer_hang")
+    chosen = ("preemption", "peer_hang", "driver_kill")
     timeout_s = 30
     # A 15 s worker-group start timeout: the restart after the preemption stops waiting for the draining node
     # sooner (Ray's 60 s was most of this test's time); what is checked below is unchanged.
@@ -73,6 +73,10 @@ def test_chaos_soak_survives_a_preemption_and_a_hung_peer_with_an_exact_audit(tm
     (hang,) = [f for f in result["figures"]["injections"] if f["kind"] == "peer_hang"]
     assert hang["hung_process_ended"] is True and not hang["outlived"], hang
     assert faults["peer_hang"]["restart_s"] < timeout_s + 60, faults["peer_hang"]
+    # The resumed driver cancelled its dead predecessor's resource bookings instead of waiting 3 minutes for
+    # them to lapse (195 s from the kill to the first step before it did).
+    (kill,) = [f for f in result["figures"]["injections"] if f["kind"] == "driver_kill"]
+    assert kill["released_bookings"] is True and kill["survived"], kill
     assert result["figures"]["audit_exact"] is True, result["figures"]["audit_diff"]
     assert result["figures"]["status"] == "finished" and result["figures"]["group_start_timeout_s"] == 15
     assert result["ratios"]["top1_over_uninterrupted"] is None  # no reference run in the short form

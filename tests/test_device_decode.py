@@ -114,14 +114,6 @@ def test_cpu_decode_rate_times_the_cpu_path_on_a_sample_of_the_tier(jpeg_manifes
     assert device_decode.decode_rate([d for d, _, _, _ in sample], "cpu", seconds=0.1) > 0
 
 
-def test_auto_takes_the_device_only_when_one_gpu_outdecodes_the_cpus_it_has_for_data():
-    from app.data.autotune import pick_decode
-
-    assert pick_decode(300.0, 5000.0, 12.0) == "device"  # 3,600 img/s from 12 CPUs < 5,000 on the GPU
-    assert pick_decode(300.0, 3000.0, 12.0) == "cpu"
-    assert pick_decode(300.0, 3000.0, 4.0) == "device"  # fewer CPUs per GPU tip the balance
-
-
 def test_gpu_e2e_reports_the_decode_path_each_phase_picked_and_blames_it_when_starved():
     from bench.gpu_e2e import decode_paths, run_args, starved_by
 

@@ -104,12 +104,16 @@ def test_cpu_device_units_fall_back_to_plain_and_say_so():
     model = nn.Linear(4, 2)
     assert dev.maybe_compile(model, ModelConfig(compile=True), device) is model
     assert dev.maybe_compile(model, ModelConfig(compile=False), device) is model
+    # Asked for on the CPU: compiled behind the shape policy (torch.compile is lazy: nothing compiles here).
+    forced = dev.maybe_compile(model, ModelConfig(compile=True, compile_on_cpu=True), device)
+    assert isinstance(forced, dev.CompiledForward) and dev.unwrap_model(forced) is model
     said: dict[str, list[str]] = {}
     for e in dev.pop_unit_events():
         said.setdefault(e["unit"], []).append(e["message"])
     assert {"device", "precision", "grad_scaler", "cudnn_benchmark", "compile"} <= set(said)
     assert "not applicable on cpu" in said["compile"][0]
     assert "off (model.compile=false)" in said["compile"][1]
+    assert "torch.compile on cpu" in said["compile"][2] and "batch dimension dynamic" in said["compile"][2]
 
 
 def test_fp16_on_cpu_is_a_config_error():

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import psutil
 import ray
 
 from app.data import augment, autotune_cache
@@ -48,7 +50,8 @@ class Choice:
 
 
 def data_cpus(train_cpus: float) -> float:
-    """Logical CPUs of the cluster left to Ray Data once the Train workers hold theirs."""
+    """Units of the cluster's CPU resource left to Ray Data once the Train workers hold theirs (what Ray Data's
+    tasks reserve; not cores: a local cluster offers twice the logical CPUs, see :func:`data_cores_per_gpu`)."""
     return max(0.5, ray.cluster_resources().get("CPU", 1.0) - train_cpus)
 
 
@@ -177,6 +180,11 @@ def apply(spec: IngestSpec, *, concurrency: int = 0, cpus: float = 0.0, block_ro
 # --- where JPEG tiers are decoded: CPU tasks or the workers' device ------------------------------------------
 DECODE_SAMPLE = 64  # images timed per path: enough for a steady rate, a second or two of start-up
 DEVICE_PROBE_TIMEOUT_S = 30.0  # a GPU task that cannot be placed (all GPUs held) gives up after this
+NODE_PROBE_TIMEOUT_S = 10.0  # a node that does not report its cores in time is counted by this machine's ratio
+# With the model's training rate unknown, the device wins only when the GPU decodes this many times what the
+# CPUs feed: the golden ratio, where the worst case of either choice over every model rate loses the same share
+# (see estimate_decode).
+UNKNOWN_MODEL_RATIO = (1 + 5 ** 0.5) / 2
 
 
 @dataclass
@@ -185,7 +193,105 @@ class DecodeChoice:
     reason: str
     cpu_img_s_per_cpu: float | None = None  # the CPU path's per-image work (decode, crop, flip) in one process
     device_img_s: float | None = None  # batched decode_jpeg (+ the canvas paste) on the workers' device
-    cpus_per_gpu: float | None = None
+    cpus_per_gpu: float | None = None  # units of the cluster's CPU resource left to data per GPU
+    cores_per_gpu: float | None = None  # the physical cores behind them
+    model_img_s: float | None = None  # the model's training rate per GPU given as input (None: unknown)
+    train_img_s: dict[str, float] | None = None  # the model's training img/s per GPU with each placement
+
+
+@dataclass
+class DecodeEstimate:
+    """What each decode placement leaves the training rate of one GPU (see :func:`estimate_decode`)."""
+    on: str
+    cpu_feed_img_s: float  # images/s the CPUs each GPU has for data decode and crop
+    break_even_img_s: float | None  # model training rate above which device decode wins; None: it never does
+    train_img_s: dict[str, float] | None  # {"cpu": .., "device": ..} training img/s; None: model rate unknown
+    rule: str  # the formula with its inputs, for the log
+
+
+def estimate_decode(cpu_img_s_per_core: float, device_img_s: float, cores_per_gpu: float,
+                    model_img_s: float = 0.0) -> DecodeEstimate:
+    """The decode placement that leaves one GPU's training the higher rate, under a model.
+
+    Device decode runs in the training process on its GPU, so each image's decode time adds to its step time:
+    with T the model's training rate (img/s per GPU, decode elsewhere) and G the GPU's decode rate, training
+    runs at 1/(1/T + 1/G). CPU decode costs the GPU nothing and feeds C = per-core rate x physical cores per
+    GPU: training runs at min(T, C). Device decode wins iff G > C and T > C*G/(G - C) (the break-even rate).
+
+    ``model_img_s`` <= 0 (unknown): device iff G > UNKNOWN_MODEL_RATIO * C. Choosing the CPU loses at worst the
+    share 1 - C/G (a model of unbounded rate), choosing the device at worst C/(C + G) (a model of rate C, which
+    the CPUs would have fed in full); the two are equal at G/C = the golden ratio."""
+    c = cpu_img_s_per_core * cores_per_gpu
+    g = device_img_s
+    even = c * g / (g - c) if g > c else None
+    if model_img_s > 0:
+        t = model_img_s
+        rates = {"cpu": min(t, c), "device": 1.0 / (1.0 / t + 1.0 / g)}
+        on = "device" if rates["device"] > rates["cpu"] else "cpu"
+        rule = (f"model: CPU decode trains at min(T, C) = min({t:.0f}, {cpu_img_s_per_core:.0f} x "
+                f"{cores_per_gpu:.3g}) = {rates['cpu']:.0f} img/s per GPU; device decode adds each image's "
+                f"decode to its step: 1/(1/T + 1/G) = 1/(1/{t:.0f} + 1/{g:.0f}) = {rates['device']:.0f} img/s "
+                f"(T = data.decode_model_img_s)")
+        return DecodeEstimate(on, c, even, {k: round(v, 1) for k, v in rates.items()}, rule)
+    on = "device" if g > UNKNOWN_MODEL_RATIO * c else "cpu"
+    rule = (f"model training rate T unknown (data.decode_model_img_s=0): device only when G = {g:.0f} img/s "
+            f"exceeds {UNKNOWN_MODEL_RATIO:.3g} x the CPU feed C = {cpu_img_s_per_core:.0f} x {cores_per_gpu:.3g}"
+            f" = {c:.0f} img/s (the choice whose worst case over any T loses the smaller share); "
+            + (f"device decode would pay off for a model training faster than C*G/(G-C) = {even:.0f} img/s per GPU"
+               if even is not None else "device decode cannot pay off: the CPUs feed as fast as the GPU decodes"))
+    return DecodeEstimate(on, c, even, None, rule)
+
+
+def pick_decode(cpu_img_s_per_core: float, device_img_s: float, cores_per_gpu: float,
+                model_img_s: float = 0.0) -> str:
+    """``device`` or ``cpu``, whichever gives the higher training rate (:func:`estimate_decode`)."""
+    return estimate_decode(cpu_img_s_per_core, device_img_s, cores_per_gpu, model_img_s).on
+
+
+def physical_cores() -> int:
+    """Physical cores of this machine (its logical CPUs where the platform cannot tell)."""
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+# Zero CPUs: it must run on a node whose CPUs are all held, and it only reads a count.
+_node_cores_task = ray.remote(num_cpus=0, max_retries=0)(physical_cores)
+
+
+def node_cores(timeout_s: float = NODE_PROBE_TIMEOUT_S) -> list[tuple[float, int]]:
+    """(units of Ray's CPU resource, physical cores) of each alive node that offers CPUs: this node counted here,
+    each other node by a zero-CPU task pinned to it. A node that does not answer in ``timeout_s`` is counted
+    with this machine's cores per logical CPU (Ray offers a node's logical CPUs unless told otherwise)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    nodes = [(n["NodeID"], float(n["Resources"].get("CPU", 0.0))) for n in ray.nodes()
+             if n.get("Alive") and n.get("Resources", {}).get("CPU", 0.0) > 0]
+    refs = {nid: _node_cores_task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False))
+            .remote() for nid, _cpu in nodes if nid != here}
+    ready, _late = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+    local = physical_cores()
+    out = []
+    for nid, cpu in nodes:
+        cores: float = local if nid == here else cpu * local / (os.cpu_count() or local)
+        if nid in refs and refs[nid] in ready:
+            try:
+                cores = float(ray.get(refs[nid]))
+            except ray.exceptions.RayError:
+                pass  # keep the estimate
+        out.append((cpu, int(max(1, round(cores)))))
+    for ref in _late:
+        ray.cancel(ref, force=True)
+    return out
+
+
+def data_cores_per_gpu(cpus_per_gpu: float, nodes: list[tuple[float, int]]) -> float:
+    """The physical cores behind ``cpus_per_gpu`` units of the cluster's CPU resource, ``nodes`` as
+    :func:`node_cores` gives them. lightray's local cluster offers twice the logical CPUs and a cloud vCPU is a
+    hyperthread, so a unit is often a half or a quarter of a core; a node offering fewer CPUs than it has cores
+    gives Ray's tasks at most one core per unit. Averaged over the cluster, as Ray Data spreads its tasks."""
+    cpus = sum(cpu for cpu, _cores in nodes)
+    cores = sum(min(cpu, float(n)) for cpu, n in nodes)
+    return cpus_per_gpu * (cores / cpus if cpus > 0 else 1.0)
 
 
 def sample_encoded(spec: IngestSpec, phase: int, n: int = DECODE_SAMPLE) -> list[tuple[bytes, int, int, int]]:
@@ -200,7 +306,7 @@ def sample_encoded(spec: IngestSpec, phase: int, n: int = DECODE_SAMPLE) -> list
 def cpu_decode_rate(sample: list[tuple[bytes, int, int, int]], resolution: int, min_scale: float, seed: int,
                     seconds: float = 1.0) -> float:
     """Images/s of the CPU path's per-image work (PIL decode, random-resized-crop, flip) in this one process:
-    the rate one CPU gives when every Data task reserves one."""
+    the rate one core gives when every Data task has one."""
     def once() -> None:
         for data, h, w, sid in sample:
             img = augment.decode(data, "jpeg", h, w)
@@ -209,7 +315,7 @@ def cpu_decode_rate(sample: list[tuple[bytes, int, int, int]], resolution: int, 
     return images_per_s(once, len(sample), seconds)
 
 
-def _device_rate_task(encoded: list[bytes], seconds: float) -> float:
+def _device_rate(encoded: list[bytes], seconds: float) -> float:
     import torch
 
     from app.data.device_decode import decode_rate
@@ -217,36 +323,44 @@ def _device_rate_task(encoded: list[bytes], seconds: float) -> float:
     return decode_rate(encoded, torch.device("cuda"), seconds)
 
 
-def cuda_decode_rate(encoded: list[bytes], seconds: float = 1.0) -> tuple[float | None, str]:
-    """(images/s of batched nvJPEG decode on a CUDA device, where it was timed), or (None, why not): in this
-    process when it sees a GPU (a single-node run), else in a Ray task holding one GPU."""
-    import torch
+# The nvJPEG probe runs in a one-GPU Ray task, never in the driver: a CUDA context made there would stay on
+# GPU 0 (its memory and a share of its time) for the whole run. max_calls=1: the task's process exits after it,
+# taking its context along (Ray's default for GPU tasks, stated because the driver relies on it).
+device_probe = ray.remote(num_gpus=1, max_retries=0, max_calls=1)(_device_rate)
 
-    if torch.cuda.is_available():
-        return _device_rate_task(encoded, seconds), "cuda (driver process)"
-    task = ray.remote(num_gpus=1, max_retries=0)(_device_rate_task)
-    ref = task.remote(encoded, seconds)
+
+def cluster_gpus() -> float:
+    return float(ray.cluster_resources().get("GPU", 0.0))
+
+
+def cuda_decode_rate(encoded: list[bytes], seconds: float = 1.0) -> tuple[float | None, str]:
+    """(images/s of batched nvJPEG decode on one GPU, where it was timed), or (None, why not): timed by
+    :data:`device_probe` on a GPU node; not run at all when the cluster has no GPU."""
+    if cluster_gpus() < 1:
+        return None, "no GPU in the cluster (the nvJPEG probe was not run)"
+    ref = device_probe.remote(encoded, seconds)
     try:
-        return float(ray.get(ref, timeout=DEVICE_PROBE_TIMEOUT_S)), "cuda (a one-GPU Ray task)"
+        return float(ray.get(ref, timeout=DEVICE_PROBE_TIMEOUT_S)), "one GPU (a one-GPU Ray task)"
     except ray.exceptions.GetTimeoutError:
         ray.cancel(ref, force=True)
         return None, f"no GPU free for a probe within {DEVICE_PROBE_TIMEOUT_S:.0f} s"
     except ray.exceptions.RayError as exc:
-        return None, f"the GPU probe failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
-
-
-def pick_decode(cpu_img_s_per_cpu: float, device_img_s: float, cpus_per_gpu: float) -> str:
-    """``device`` when one GPU decodes faster than the CPUs each GPU has for data would, else ``cpu``."""
-    return "device" if device_img_s > cpu_img_s_per_cpu * cpus_per_gpu else "cpu"
+        # The task's own error, not Ray's wrapper (whose first line is the task's name in colour codes).
+        cause = getattr(exc, "cause", None) or exc
+        first = (str(cause).strip().splitlines() or [""])[0][:200]
+        return None, f"the GPU probe failed ({type(cause).__name__}: {first})"
 
 
 def choose_decode(spec: IngestSpec, phase: int, want: str, workers_use_cuda: bool, cpus_per_gpu: float,
-                  seconds: float = 1.0, before_measure: Callable[[], Any] | None = None) -> DecodeChoice:
-    """``data.decode_on`` for one JPEG phase. ``auto`` on CUDA workers times both paths on a sample of the tier
-    and takes the device when one GPU's decode rate beats the CPU path's rate per CPU times the CPUs each GPU
-    has for data; ``auto`` on CPU workers is the CPU (the "device" would be the same cores, minus Ray Data's
-    parallelism); ``cpu`` / ``device`` force it (``device`` on CPU workers decodes on the CPU device in the
-    Train worker: for tests and the bench)."""
+                  seconds: float = 1.0, before_measure: Callable[[], Any] | None = None,
+                  model_img_s: float = 0.0) -> DecodeChoice:
+    """``data.decode_on`` for one JPEG phase. ``auto`` on CUDA workers times the CPU path here (one core) and
+    decode_jpeg on a GPU (:data:`device_probe`), counts the physical cores behind the ``cpus_per_gpu`` units of
+    Ray's CPU resource each GPU has for data, and takes the placement that leaves training the higher rate
+    (:func:`estimate_decode`; ``model_img_s`` the model's training rate per GPU, 0 = unknown). ``auto`` on CPU
+    workers is the CPU (the "device" would be the same cores, minus Ray Data's parallelism); ``cpu`` /
+    ``device`` force it (``device`` on CPU workers decodes on the CPU device in the Train worker: for tests and
+    the bench)."""
     if want == "cpu":
         return DecodeChoice("cpu", "data.decode_on=cpu")
     if want == "device":
@@ -255,18 +369,24 @@ def choose_decode(spec: IngestSpec, phase: int, want: str, workers_use_cuda: boo
     if not workers_use_cuda:
         return DecodeChoice("cpu", "data.decode_on=auto and the workers have no GPU: decoding in the worker "
                                    "would use the same CPUs as Ray Data tasks, without their parallelism")
+    given = model_img_s if model_img_s > 0 else None
+    if cluster_gpus() < 1:  # nothing to probe on; the CPU path is not worth timing either
+        return DecodeChoice("cpu", "data.decode_on=auto: no GPU in the cluster to time decode_jpeg on (the probe "
+                                   "was not run); kept the CPU path", cpus_per_gpu=round(cpus_per_gpu, 2),
+                            model_img_s=given)
     ph = spec.phases[phase]
     if before_measure is not None:
         before_measure()
     sample = sample_encoded(spec, phase)
     cpu = cpu_decode_rate(sample, ph.resolution, ph.min_scale, spec.seed, seconds)
     device, where = cuda_decode_rate([d for d, _, _, _ in sample], seconds)
+    cores = data_cores_per_gpu(cpus_per_gpu, node_cores())
     if device is None:
         return DecodeChoice("cpu", f"data.decode_on=auto: {where}; kept the CPU path", round(cpu, 1), None,
-                            round(cpus_per_gpu, 2))
-    cpu_total = cpu * cpus_per_gpu
-    on = pick_decode(cpu, device, cpus_per_gpu)
-    return DecodeChoice(on, f"data.decode_on=auto: decode_jpeg on {where} {device:.0f} img/s vs the CPU path "
-                            f"{cpu:.0f} img/s per CPU x {cpus_per_gpu:.2g} CPUs per GPU for data = {cpu_total:.0f} "
-                            f"img/s on {len(sample)} images of tier {ph.shards.tier}",
-                        round(cpu, 1), round(device, 1), round(cpus_per_gpu, 2))
+                            round(cpus_per_gpu, 2), round(cores, 2), given)
+    est = estimate_decode(cpu, device, cores, model_img_s)
+    reason = (f"data.decode_on=auto: {est.rule}; measured: decode_jpeg on {where} G = {device:.0f} img/s, the CPU "
+              f"path {cpu:.0f} img/s per core in the driver, {cpus_per_gpu:.3g} of Ray's CPUs per GPU for data = "
+              f"{cores:.3g} physical cores, on {len(sample)} images of tier {ph.shards.tier}")
+    return DecodeChoice(est.on, reason, round(cpu, 1), round(device, 1), round(cpus_per_gpu, 2), round(cores, 2),
+                        given, est.train_img_s)

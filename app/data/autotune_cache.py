@@ -3,9 +3,9 @@
 The preprocessing calibration (``app.data.autotune``) costs several seconds of start-up and its answer
 depends only on what it timed: the shards of the phase it measured (their sha256), the phase's
 resolution and crop scale, the level that serves it (object store or local disk), the CPUs left to Ray
-Data, the calibration's own settings, and the machine (host name, cores, the cluster's CPUs and nodes).
-All of these make up the key; a result is a small JSON file under ``<local cache dir>/autotune/``,
-which is node-local, like the machine it describes.
+Data, the calibration's own settings, and the machine (host name, physical cores and logical CPUs, the
+cluster's CPUs, GPUs and nodes). All of these make up the key; a result is a small JSON file under
+``<local cache dir>/autotune/``, which is node-local, like the machine it describes.
 """
 
 from __future__ import annotations
@@ -21,11 +21,16 @@ VERSION = 1  # bump when the calibration's method changes: old answers no longer
 
 
 def machine_fingerprint() -> dict[str, Any]:
+    """This machine and the cluster: ``cores`` are physical, ``logical_cpus`` what ``os.cpu_count()`` says
+    (recorded as ``cores`` before: those records lack ``logical_cpus``, so they no longer match),
+    ``cluster_cpus`` Ray's CPU resource (lightray's local cluster offers twice the logical CPUs)."""
+    import psutil
     import ray
 
     res = ray.cluster_resources()
-    return {"host": socket.gethostname(), "cores": os.cpu_count(), "cluster_cpus": res.get("CPU", 0.0),
-            "cluster_gpus": res.get("GPU", 0.0), "nodes": sum(1 for n in ray.nodes() if n.get("Alive"))}
+    return {"host": socket.gethostname(), "cores": psutil.cpu_count(logical=False) or os.cpu_count(),
+            "logical_cpus": os.cpu_count(), "cluster_cpus": res.get("CPU", 0.0), "cluster_gpus": res.get("GPU", 0.0),
+            "nodes": sum(1 for n in ray.nodes() if n.get("Alive"))}
 
 
 def key_for(spec: Any, phase: int, avail_cpus: float, seconds: float, pinned_concurrency: int | None) -> dict:

@@ -50,18 +50,46 @@ def as_tensors(encoded: np.ndarray | list) -> list[torch.Tensor]:
                 for b in encoded]
 
 
+_DECODE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _decode_stream(device: torch.device) -> torch.cuda.Stream:
+    """This process's stream for decode outputs on ``device``, made on first use."""
+    key = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    if key not in _DECODE_STREAMS:
+        _DECODE_STREAMS[key] = torch.cuda.Stream(key)
+    return _DECODE_STREAMS[key]
+
+
 def decode(data: list[torch.Tensor], device: torch.device | str) -> tuple[list[torch.Tensor | None], list[int]]:
     """(CHW uint8 RGB images on ``device``, None where undecodable; indices of the undecodable ones)."""
-    from torchvision.io import ImageReadMode, decode_jpeg
-
     if not data:
         return [], []
     device = torch.device(device)
-    if device.type == "cuda":
-        # The CUDA decoder allocates its outputs on the caller's stream but writes them from a stream of its own
-        # without waiting: a block freed by kernels still queued here could be overwritten under them. The
-        # training step already syncs once per step (the loss it logs), so this wait is normally free.
-        torch.cuda.current_stream(device).synchronize()
+    if device.type != "cuda":
+        return _decode_jpegs(data, device)
+    # torchvision's CUDA decoder allocates its outputs on the current stream but writes them from a stream of
+    # its own that does not wait for the current one (it only makes the current stream wait for it after):
+    # a block the training step freed with its kernels still queued could be handed out and overwritten under
+    # them. Host-synchronising the step's stream before each decode avoided that, at the cost of running
+    # decode in series with training. Instead the outputs are allocated on a stream used for nothing else,
+    # whose blocks the step's kernels never held; the step's stream waits for it on the device, and each
+    # output is marked as used there, so its block is not handed to the next decode before those kernels end.
+    compute = torch.cuda.current_stream(device)
+    side = _decode_stream(device)
+    with torch.cuda.stream(side):
+        images, bad = _decode_jpegs(data, device)
+    compute.wait_stream(side)
+    for im in images:
+        if im is not None:
+            im.record_stream(compute)
+    return images, bad
+
+
+def _decode_jpegs(data: list[torch.Tensor], device: torch.device) -> tuple[list[torch.Tensor | None], list[int]]:
+    """:func:`decode` on the current stream: one batched call, image by image when one image fails it."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
     try:
         return list(decode_jpeg(data, mode=ImageReadMode.RGB, device=device)), []
     except torch.cuda.OutOfMemoryError:

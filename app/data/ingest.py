@@ -348,11 +348,14 @@ def plan_augmentation(spec: IngestSpec, augment_on: str, workers_use_cuda: bool)
 
 
 def plan_decode(spec: IngestSpec, decode_on: str, workers_use_cuda: bool, cpus_per_gpu: float,
-                seconds: float = 1.0, before_measure: Any = None) -> None:
-    """Where each JPEG phase is decoded: ``data.decode_on`` resolved per phase (``auto`` times both paths on CUDA
-    workers, see :func:`autotune.choose_decode`). Only a JPEG tier read from disk qualifies: a raw tier has
-    nothing to decode and an object-store tier was decoded once at start. Call after :func:`materialize_tiers`;
-    ``before_measure`` (the wait for its decode tasks) runs before a timing, so the two do not share the CPUs."""
+                seconds: float = 1.0, before_measure: Any = None, model_img_s: float = 0.0) -> None:
+    """Where each JPEG phase is decoded: ``data.decode_on`` resolved per phase (``auto`` on CUDA workers compares
+    what each placement leaves the training rate, see :func:`autotune.choose_decode`). ``cpus_per_gpu``: units
+    of Ray's CPU resource each GPU has for data (the physical cores behind them are counted there);
+    ``model_img_s``: the model's training rate per GPU (``data.decode_model_img_s``; 0 = unknown). Only a JPEG
+    tier read from disk qualifies: a raw tier has nothing to decode and an object-store tier was decoded once at
+    start. Call after :func:`materialize_tiers`; ``before_measure`` (the wait for its decode tasks) runs before a
+    timing, so the two do not share the CPUs."""
     where = "cuda" if workers_use_cuda else "cpu"
     measured: dict[tuple[int, int], autotune.DecodeChoice] = {}
     for ph in spec.phases:
@@ -367,7 +370,7 @@ def plan_decode(spec: IngestSpec, decode_on: str, workers_use_cuda: bool, cpus_p
         # Phases reading one tier at one crop share a measurement; a choice is per tier and crop work.
         key = (ph.shards.tier, ph.resolution)
         choice = measured.get(key) or autotune.choose_decode(spec, ph.index, decode_on, workers_use_cuda,
-                                                             cpus_per_gpu, seconds, before_measure)
+                                                             cpus_per_gpu, seconds, before_measure, model_img_s)
         measured[key] = choice
         ph.device_decode = choice.on == "device"
         if ph.device_decode:
@@ -379,7 +382,8 @@ def plan_decode(spec: IngestSpec, decode_on: str, workers_use_cuda: bool, cpus_p
             msg = f"phase {ph.index} ({ph.resolution}px): JPEG decode in Ray Data tasks on the CPU ({choice.reason})"
         spec.event("decode_on", msg, phase=ph.index, on=choice.on, device=where,
                    cpu_img_s_per_cpu=choice.cpu_img_s_per_cpu, device_img_s=choice.device_img_s,
-                   cpus_per_gpu=choice.cpus_per_gpu)
+                   cpus_per_gpu=choice.cpus_per_gpu, cores_per_gpu=choice.cores_per_gpu,
+                   model_img_s=choice.model_img_s, train_img_s=choice.train_img_s)
 
 
 def finalize_spec(spec: IngestSpec, data: Any, train_cpus: float, workers_use_cuda: bool = False,
@@ -403,7 +407,7 @@ def finalize_spec(spec: IngestSpec, data: Any, train_cpus: float, workers_use_cu
     with startup.phase("decode_plan"):
         gpus = ray.cluster_resources().get("GPU", 0.0) if workers_use_cuda else 0.0
         plan_decode(spec, data.decode_on, workers_use_cuda, autotune.data_cpus(train_cpus) / max(1.0, gpus),
-                    before_measure=lambda: ray.get(pending))
+                    before_measure=lambda: ray.get(pending), model_img_s=data.decode_model_img_s)
     with startup.phase("calibration"):
         autotune.apply(spec, concurrency=data.preprocess_concurrency, cpus=data.preprocess_cpus,
                        block_rows=data.block_rows, seconds=data.autotune_seconds, train_cpus=train_cpus,

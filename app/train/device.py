@@ -153,25 +153,99 @@ def enable_cudnn_benchmark(cfg: ModelConfig | None = None, device: torch.device 
     return bool(want_bench)
 
 
+class CompiledForward(nn.Module):
+    """The compiled model behind the shape policy: every call marks the batch dimension dynamic and the
+    image's height and width static, then runs the compiled module.
+
+    Why: a forward compiled for one batch size recompiles (and on a GPU searches cuDNN's algorithms again)
+    for each new one, and a run meets many: each phase's per-rank share, each uneven share after an elastic
+    resize, each micro-step of an accumulated share, each batch short of an image the device decode dropped.
+    A dynamic batch dimension makes those one graph. The resolution is the opposite case: it changes only at
+    a phase boundary, and a static one lets inductor pick kernels (and cuDNN algorithms) for that size, so
+    each phase resolution is one compile. ``dynamic=True`` would make height and width symbolic too, and
+    dynamo's automatic dynamic shapes would do the same at the first phase change; ``mark_static`` stops it.
+    ``maybe_mark_dynamic`` rather than ``mark_dynamic``: a model that does need a fixed batch (one that
+    reshapes by a constant) then recompiles, which the compile counts show, instead of failing the step.
+    Two known exceptions: a batch of one image (PyTorch specialises sizes 0 and 1), and on a CPU inductor's
+    C++ reductions, which guard on whether a reduction's size (a BN layer's batch x height x width) exceeds
+    4096, so there one compile covers a range of batch sizes rather than all of them.
+    """
+
+    def __init__(self, compiled: nn.Module):
+        super().__init__()
+        self.compiled = compiled
+        self.batch_sizes: set[int] = set()  # sizes seen since the last pop; a shape is host metadata, no sync
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch._dynamo
+
+        torch._dynamo.maybe_mark_dynamic(x, 0)
+        if x.dim() == 4:
+            torch._dynamo.mark_static(x, 2)
+            torch._dynamo.mark_static(x, 3)
+        self.batch_sizes.add(int(x.shape[0]))
+        return self.compiled(x)
+
+    def pop_batch_sizes(self) -> list[int]:
+        """The batch sizes the compiled forward ran since the last call, smallest first."""
+        sizes = sorted(self.batch_sizes)
+        self.batch_sizes.clear()
+        return sizes
+
+
 def maybe_compile(model: nn.Module, cfg: ModelConfig, device: torch.device) -> nn.Module:
-    """``torch.compile(model)`` when ``model.compile`` is on and the device is a GPU; else ``model`` unchanged."""
+    """``model`` compiled behind the shape policy (:class:`CompiledForward`) when ``model.compile`` is on and
+    the device is a GPU, or a CPU with ``model.compile_on_cpu``; else ``model`` unchanged."""
     if not cfg.compile:
         unit_log("compile", "torch.compile off (model.compile=false)", enabled=False)
         return model
-    if device.type != "cuda":
-        unit_log("compile", "torch.compile not applicable on cpu (GPU only); running eager", enabled=False)
+    if device.type != "cuda" and not cfg.compile_on_cpu:
+        unit_log("compile", f"torch.compile not applicable on {device.type} (GPU only unless "
+                            "model.compile_on_cpu=true); running eager", enabled=False)
         return model
-    # Progressive resizing and the eval pass each bring new shapes: allow enough recompiles that dynamo
-    # does not silently fall back to eager for the last phase.
     import torch._dynamo
 
+    # Each phase resolution is one compile (the shape policy): allow enough of them that dynamo does not
+    # silently fall back to eager for the last phase.
     limit_name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     if getattr(torch._dynamo.config, limit_name) < 32:
         setattr(torch._dynamo.config, limit_name, 32)
     compiled = torch.compile(model, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
-    unit_log("compile", f"torch.compile on (mode={cfg.compile_mode}); first step of each shape compiles",
-             enabled=True, mode=cfg.compile_mode)
-    return compiled  # type: ignore[return-value]
+    on_cpu = "; on cpu, batch sizes on either side of inductor's reduction-size guards are two compiles" \
+        if device.type == "cpu" else ""
+    unit_log("compile", f"torch.compile on {device.type} (mode={cfg.compile_mode}); shape policy: batch dimension "
+                        "dynamic, height and width static: one compile per phase resolution whatever the per-rank "
+                        "batch (a batch of one image is its own compile: PyTorch specialises sizes 0 and 1)"
+                        f"{on_cpu}; evaluation runs eager", enabled=True, mode=cfg.compile_mode, device=device.type,
+             dynamic_dims=["batch"], static_dims=["height", "width"])
+    return CompiledForward(compiled)
+
+
+def compile_counts() -> dict[str, Any]:
+    """What dynamo has compiled in this process so far: ``compiles`` (graphs it captured and handed to the
+    backend: a first compile, a recompile after a failed guard, or one more graph after a graph break) and
+    ``graph_breaks`` with their reasons. Process-wide counters: a caller takes the difference of two reads."""
+    from torch._dynamo.utils import counters
+
+    reasons = {_break_reason(k): int(v) for k, v in counters["graph_break"].items()}
+    return {"compiles": int(counters["stats"]["unique_graphs"]), "graph_breaks": sum(reasons.values()),
+            "break_reasons": reasons}
+
+
+def _break_reason(text: str) -> str:
+    """A graph break's reason in one line: dynamo's explanation when it gives one, else its first line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    found = next((line[len("Explanation:"):].strip() for line in lines if line.startswith("Explanation:")),
+                 lines[0] if lines else "?")
+    return found.split(" in file ")[0][:200]  # a site-packages path says nothing a reader needs
+
+
+def compile_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """``after - before`` of two :func:`compile_counts` reads (break reasons whose count grew)."""
+    grew = {k: v - before["break_reasons"].get(k, 0) for k, v in after["break_reasons"].items()}
+    return {"compiles": after["compiles"] - before["compiles"],
+            "graph_breaks": after["graph_breaks"] - before["graph_breaks"],
+            "break_reasons": {k: v for k, v in grew.items() if v > 0}}
 
 
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -291,10 +365,12 @@ def log_augment_placement(augment_on: str, device: torch.device, device_phases: 
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The plain module under DDP (``.module``) and/or torch.compile (``._orig_mod``) wrappers."""
+    """The plain module under DDP (``.module``), torch.compile (``._orig_mod``) and shape-policy wrappers."""
     while True:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
+        elif isinstance(model, CompiledForward):
+            model = model.compiled
         elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
             model = model._orig_mod
         else:

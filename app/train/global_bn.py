@@ -17,6 +17,10 @@ BN layer in the forward pass and one in the backward pass (2 x 9 for resnet_tiny
 gloo/CPU; latency-bound on large GPU clusters, which is why it is a switch and off by default).
 
 On one worker (or with no process group) the layer is exactly ``nn.BatchNorm2d``.
+
+Under torch.compile the layer stays in the graph: dynamo traces the autograd.Function and turns its
+``all_reduce`` into a functional collective, so a compiled model with global BN is one graph, no graph
+break per layer (checked on gloo, PyTorch 2.14). The shift needs care there, see :func:`_shift_of`.
 """
 
 from __future__ import annotations
@@ -43,6 +47,30 @@ class _AllReduceSum(torch.autograd.Function):
         return grad
 
 
+@torch.library.custom_op("lightray::global_bn_shift", mutates_args=())
+def _shift_snapshot(running_mean: torch.Tensor) -> torch.Tensor:
+    """A copy of the running mean; an op of our own so that torch.compile saves it (see :func:`_shift_of`)."""
+    return running_mean.clone()
+
+
+@_shift_snapshot.register_fake
+def _(running_mean: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(running_mean)
+
+
+def _shift_of(running_mean: torch.Tensor) -> torch.Tensor:
+    """The shift of the sums: the running mean as it was when this forward began.
+
+    Under torch.compile a plain ``clone()`` gives wrong gradients, silently: AOTAutograd's partitioner may
+    recompute ``x - shift`` in the backward from the buffer itself, which by then holds this forward's
+    update of the running mean (PyTorch PR #197039, open for 2.14; the gradients of the layers below drift
+    by percents). It recomputes only ops on its allowlist, which a custom op is not, so the snapshot is
+    saved. Eager keeps the plain clone (a custom op's dispatch costs more per layer)."""
+    if torch.compiler.is_compiling():
+        return _shift_snapshot(running_mean)
+    return running_mean.detach().clone()
+
+
 def _group_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -57,7 +85,7 @@ class GlobalBatchNorm2d(nn.BatchNorm2d):
         c = self.num_features
         # Shifted sums (shift = the running mean, identical on every rank) keep E[x^2] - E[x]^2 from
         # cancelling catastrophically in fp32 once the running mean tracks the activations.
-        shift = self.running_mean.detach().clone().view(1, c, 1, 1) if self.running_mean is not None else 0.0
+        shift = _shift_of(self.running_mean).view(1, c, 1, 1) if self.running_mean is not None else 0.0
         xs = x.to(torch.promote_types(x.dtype, torch.float32)) - shift  # fp32 statistics under autocast
         count = torch.full((1,), float(x.shape[0] * x.shape[2] * x.shape[3]), device=x.device)
         local = torch.cat([xs.sum(dim=(0, 2, 3)), (xs * xs).sum(dim=(0, 2, 3)), count])

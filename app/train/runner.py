@@ -224,6 +224,8 @@ def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, str
         started_here = connect_ray(cfg, verbose)
     if progress:
         print(f"lightray: {describe_cluster(started_here)}", file=stream or sys.stdout, flush=True)
+    if not started_here:  # a cluster that an earlier driver of this run used: free what that driver still books
+        _release_dead_runs(cfg, local_run_dir, stream or sys.stdout)
     from app.train.billing import NodeMeter
 
     meter = NodeMeter(run_dir, cfg.cost.node_type).start()  # every attempt's machine time, kept outside checkpoints
@@ -266,6 +268,27 @@ def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, str
             watch.stop()
             records.stop()
     return _write_result(cfg, run_dir, local_run_dir, t0, sched, use_gpu, error, spot, billing)
+
+
+def _release_dead_runs(cfg: Config, local_run_dir: str, stream) -> None:
+    """app/train/stale_runs.py: a resumed run should not wait minutes for its dead drivers' bookings to lapse."""
+    from app.report.progress import MetricsFileError, read_metrics
+    from app.train.stale_runs import recorded_run_ids, release_bookings
+
+    try:
+        records = read_metrics(os.path.join(local_run_dir, "metrics.jsonl"))[0]
+    except MetricsFileError:
+        return  # a new run: no earlier driver
+    try:
+        released = release_bookings(recorded_run_ids(records))
+    except Exception as exc:  # never worth failing a run for: the bookings lapse by themselves in 3 minutes
+        print(f"lightray: warning: could not cancel the bookings of earlier drivers of {cfg.name}: {exc}",
+              file=stream, flush=True)
+        return
+    if released:
+        print(f"lightray: cancelled the resource bookings of {len(released)} earlier attempt(s) of this run "
+              "(their drivers are gone), so the worker group need not wait for them to lapse", file=stream,
+              flush=True)
 
 
 def _watch_cluster(cfg: Config, run_dir: str, local_run_dir: str, t0: float, meter, known: dict[str, Any],

@@ -46,6 +46,7 @@ from app.train.fusion import choose_bucket_mb
 from app.train.model import build_model, to_device
 from app.train.optim import build_loss, build_optimizer, clip_gradients, set_lr_momentum
 from app.train.prefetch import DevicePrefetcher
+from app.train.stale_runs import current_train_run_id
 from app.train.state import (
     ResumePoint,
     checkpoint_name,
@@ -278,6 +279,8 @@ class Trainer:
         self.report({"event": "start" if c.starts == 1 else "restart", "samples_seen": c.samples_seen,
                      "world_size": self.world, "checkpoint": resume.checkpoint, "skipped_checkpoints": resume.skipped,
                      "total_samples": self.sched.total_samples, "ckpt_time": resume.time,
+                     # Ray Train's id of this attempt: a resuming driver cancels its resource bookings by it
+                     "train_run_id": current_train_run_id(),
                      # This worker's own share of the group start (model, DDP, comm hook, checkpoint read),
                      # so the start-up breakdown can tell it from Ray Train's process start.
                      "setup_s": round(time.time() - self.t_start, 3)})
@@ -336,17 +339,36 @@ class Trainer:
         self.report({"event": "unit", "unit": "progressive_resize",
                      "message": f"phase {phase_idx}: {phase.resolution}px, global batch {phase.batch_size}, "
                                 f"min crop scale {phase.min_scale}", "phase": phase_idx})
-        ph_spec = self.spec.phases[phase_idx]
+        compiled_before = dev.compile_counts() if isinstance(self.forward, dev.CompiledForward) else None
         try:
-            for epoch in range(max(ph_spec.first_epoch, pos.epoch), ph_spec.end_epoch):
-                first_step = pos.step_in_epoch if epoch == pos.epoch else 0
-                if not self.run_epoch(epoch, first_step, run, batches):
-                    return  # stopped mid-epoch: the interval checkpoint holds the position
-                self.end_epoch(epoch, run)
-                if self.stopped:
-                    return
+            self._run_phase_epochs(phase_idx, pos, run, batches)
         finally:
             batches.close()
+        if compiled_before is not None:
+            self._report_compiles(run, compiled_before)
+
+    def _run_phase_epochs(self, phase_idx: int, pos: Position, run: PhaseRun, batches: Iterator[dict]) -> None:
+        ph_spec = self.spec.phases[phase_idx]
+        for epoch in range(max(ph_spec.first_epoch, pos.epoch), ph_spec.end_epoch):
+            first_step = pos.step_in_epoch if epoch == pos.epoch else 0
+            if not self.run_epoch(epoch, first_step, run, batches):
+                return  # stopped mid-epoch: the interval checkpoint holds the position
+            self.end_epoch(epoch, run)
+            if self.stopped:
+                return
+
+    def _report_compiles(self, run: PhaseRun, before: dict[str, Any]) -> None:
+        """The ``compile`` unit's line for the phase just trained: how many graphs dynamo compiled at its
+        resolution (the shape policy's promise is one, whatever the per-rank batches, which it lists) and
+        its graph breaks with their reasons. Evaluation runs eager, so only training steps count."""
+        delta = dev.compile_delta(before, dev.compile_counts())
+        sizes = self.forward.pop_batch_sizes()
+        breaks = delta["graph_breaks"]
+        self.report({"event": "unit", "unit": "compile", "phase": run.index, "resolution": run.phase.resolution,
+                     "batch_sizes": sizes, **delta,
+                     "message": f"phase {run.index} ({run.phase.resolution}px): {delta['compiles']} compile(s) for "
+                                f"per-rank batches of {sizes}, {breaks} graph break(s)"
+                                + (f": {'; '.join(delta['break_reasons'])}" if breaks else "")})
 
     def run_epoch(self, epoch: int, first_step: int, run: PhaseRun, batches: Iterator[dict]) -> bool:
         """Train the epoch from ``first_step``; False when stopped before its last step."""
