@@ -69,7 +69,12 @@ def s3_storage(monkeypatch):
     server.start()
     try:
         host, port = server.get_host_and_port()
+        import urllib.request
+
         import pyarrow.fs as pafs
+
+        # moto keeps its buckets in this process, across server instances: start each test from an empty store
+        urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST"))
 
         pafs.S3FileSystem(endpoint_override=f"{host}:{port}", scheme="http", region="us-east-1",
                           allow_bucket_creation=True).create_dir("lightray-runs")

@@ -187,7 +187,8 @@ class NodeCluster:
     """
 
     ENV = {"RAY_AUTH_MODE": "token", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5",
-           "RAY_health_check_period_ms": "1000"}
+           "RAY_health_check_period_ms": "1000",
+           "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": "5"}  # as cluster.yaml sets it on every node
 
     def __init__(self, workers: int = 2, head_cpus: int = 2, worker_cpus: float = 1):
         self.n_workers = workers

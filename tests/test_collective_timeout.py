@@ -106,3 +106,30 @@ def test_a_failed_group_waits_seconds_not_half_a_minute_for_a_hung_worker_to_lea
                              timeout=180)
         assert out.returncode == 0, out.stderr[-3000:]
         assert out.stdout.strip().splitlines()[-1] == expected
+
+
+def test_every_cluster_lightray_ships_sets_the_short_group_shutdown_wait_on_every_ray_process():
+    """cluster.yaml exports it before each `ray start`, and every Ray container of the k8s manifests has it."""
+    import yaml
+
+    from app.train.runner import CLUSTER_ENV
+
+    (key, value), = CLUSTER_ENV.items()
+    setup = yaml.safe_load((ROOT / "cluster.yaml").read_text())["setup_commands"]
+    assert f"echo 'export {key}={value}' >> ~/lightray.env" in setup
+    for manifest in ("raycluster.yaml", "rayjob.yaml"):
+        containers = [c for doc in yaml.safe_load_all((ROOT / "k8s" / manifest).read_text())
+                      for c in _ray_containers(doc)]
+        assert containers, manifest
+        for c in containers:
+            assert {"name": key, "value": value} in c.get("env", []), (manifest, c["name"])
+
+
+def _ray_containers(node) -> list[dict]:
+    """Every container named ray-* anywhere in a manifest."""
+    if isinstance(node, list):
+        return [c for v in node for c in _ray_containers(v)]
+    if not isinstance(node, dict):
+        return []
+    own = [c for c in node.get("containers", []) if c.get("name", "").startswith("ray-")]
+    return own + [c for v in node.values() for c in _ray_containers(v)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import signal
@@ -16,6 +15,7 @@ import pytest
 
 from app import storage
 from app.train.run_lock import LOCK_NAME, RunLock, RunLockedError, read_holder
+from tests.conftest import S3_ENV
 
 ROOT = pathlib.Path(__file__).parents[1]
 
@@ -134,30 +134,26 @@ def _smoke_cmd(storage_dir, name, shared_cache, *extra) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_second_driver_on_the_same_run_is_refused_with_exit_2(tmp_path, shared_cache):
-    first = subprocess.Popen(_smoke_cmd(tmp_path, "same", shared_cache), cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-    lock = tmp_path / "same" / LOCK_NAME
+def test_of_two_drivers_started_at_the_same_instant_on_s3_one_trains_and_the_other_exits_2(s3_storage, shared_cache):
+    """Two real drivers of one run on the local S3 server, started together: the conditional create lets exactly
+    one hold the run; the other exits 2 naming the holder (host and pid), and the holder trains to the end."""
+    env = {**os.environ, **S3_ENV}
+    procs = [subprocess.Popen(_smoke_cmd(s3_storage, "same", shared_cache), cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
     try:
-        # Once the first driver is on its cluster it holds the lock (taken before Ray starts).
-        head = []
-        for line in first.stdout:
-            head.append(line)
-            if "Ray cluster at" in line:  # the start-up line says which cluster the run is on
-                break
-        assert lock.exists(), "".join(head)[-3000:]
-        second = subprocess.run(_smoke_cmd(tmp_path, "same", shared_cache), cwd=ROOT, capture_output=True,
-                                text=True, timeout=600)
-        assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
-        line = second.stderr.strip().splitlines()[-1]
-        assert line.startswith("lightray: error:") and f"pid {first.pid}" in line, line
-        assert f"host {socket.gethostname()}" in line
-        out, _ = first.communicate(timeout=900)
-        assert first.returncode == 0, out[out.rfind("Traceback"):][-4000:]
+        outs = [p.communicate(timeout=900) for p in procs]
     finally:
-        if first.poll() is None:
-            first.kill()
-            first.wait()
-    summary = json.loads((tmp_path / "same" / "summary.json").read_text())
-    assert summary["status"] == "finished"
-    assert not lock.exists()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    codes = sorted(p.returncode for p in procs)
+    assert codes == [0, 2], [(p.returncode, err[-2000:]) for p, (_, err) in zip(procs, outs)]
+    (winner,) = [p for p in procs if p.returncode == 0]
+    (_, refused), = [o for p, o in zip(procs, outs) if p.returncode == 2]
+    line = refused.strip().splitlines()[-1]
+    assert line.startswith("lightray: error:") and "already being run by another driver" in line, line
+    assert f"pid {winner.pid}" in line and f"host {socket.gethostname()}" in line, line
+    run_dir = storage.join(s3_storage, "same")
+    assert storage.read_json(storage.join(run_dir, "summary.json"))["status"] == "finished"
+    assert not storage.exists(storage.join(run_dir, LOCK_NAME))  # released on the way out

@@ -72,15 +72,11 @@ def newest_run(storage_path: str) -> str | None:
 
 # Ray Train's controller waits this long for every worker to leave its process group before it kills a failed
 # group (Ray's default: 30 s). A healthy worker leaves in milliseconds; a hung one (stopped, wedged in a driver
-# call) never does, so the default adds 30 s to every hung-peer restart, after the collective timeout.
-PG_SHUTDOWN_TIMEOUT_S = "5"
-
-
-def job_env() -> dict[str, str]:
-    """Environment of every process of the run's Ray job (Ray Train's controller reads only a few RAY_TRAIN_*
-    variables from the driver); a value the user set wins."""
-    key = "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S"
-    return {key: os.environ.get(key, PG_SHUTDOWN_TIMEOUT_S)}
+# call) never does, so the default adds 30 s to every hung-peer restart, after the collective timeout. The
+# controller reads it from its process's environment: a cluster lightray starts inherits it from this process;
+# cluster.yaml and the k8s manifests set it on every node (a job-level runtime_env would also carry it, but
+# costs every worker start a round trip to the runtime-env agent: 3 s on a smoke run here).
+CLUSTER_ENV = {"TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": "5"}
 
 
 def connect_ray(cfg: Config, verbose: bool = False, dashboard: bool = False) -> bool:
@@ -94,8 +90,7 @@ def connect_ray(cfg: Config, verbose: bool = False, dashboard: bool = False) -> 
     ten processes (its head and one per module) and several hundred MB on a laptop."""
     if ray.is_initialized():
         return False
-    kwargs: dict[str, Any] = {"log_to_driver": verbose, "include_dashboard": dashboard,
-                              "runtime_env": {"env_vars": job_env()}}
+    kwargs: dict[str, Any] = {"log_to_driver": verbose, "include_dashboard": dashboard}
     try:
         from app.report.progress import quiet_ray_logging
 
@@ -104,6 +99,8 @@ def connect_ray(cfg: Config, verbose: bool = False, dashboard: bool = False) -> 
         pass
     address = cfg.scaling.ray_address
     ncpu = cfg.scaling.ray_num_cpus or 2 * (os.cpu_count() or 1)
+    for key, value in CLUSTER_ENV.items():  # a cluster started below inherits them; a value the user set wins
+        os.environ.setdefault(key, value)
     if address == "local":  # always a fresh local cluster (tests, isolated runs)
         ray.init(address="local", num_cpus=ncpu, **kwargs)
         return True
