@@ -122,14 +122,17 @@ def _starts_after(recs: list[dict], t: float) -> list[dict]:
     return [r for r in recs if r.get("event") in ("start", "restart") and r.get("time", 0) > t]
 
 
-def _next_checkpoint_samples(run: pathlib.Path, after: int) -> int | None:
-    """samples_seen of the first checkpoint the run writes beyond ``after`` (an interval or epoch end)."""
-    sched = run_schedule(run)
-    s = after
+def next_checkpoint_samples(sched, after: int, margin_steps: int = 1) -> int | None:
+    """samples_seen of the first checkpoint (an interval or an epoch end) the run writes more than
+    ``margin_steps`` steps after ``after``, a reported samples_seen (the step after it may already be in
+    flight). Stepping from ``after`` keeps to the run's step grid: a target off the grid is a checkpoint the
+    run never writes, and a write meant to fail would not."""
+    s, steps = after, 0
     while s < sched.total_samples:
         epoch = next(e for e in range(sched.epochs) if s < sched.epoch_start(e + 1))
         s += sched.phase_for_epoch(epoch).batch_size
-        if steps_for(sched, s) % CHECKPOINT_EVERY == 0 or s == sched.epoch_start(epoch + 1):
+        steps += 1
+        if steps > margin_steps and (steps_for(sched, s) % CHECKPOINT_EVERY == 0 or s == sched.epoch_start(epoch + 1)):
             return s
     return None
 
@@ -257,7 +260,7 @@ class Soak:
                 os.kill(pids[0], signal.SIGSTOP)
                 fault["stopped_pid"] = pids[0]
         elif kind == "storage_write_fail":
-            target = _next_checkpoint_samples(self.run_dir, fault["before"] + 32)
+            target = next_checkpoint_samples(run_schedule(self.run_dir), fault["before"])
             if target is not None:
                 blocker = self.run_dir / f"checkpoint_{target:012d}"
                 blocker.write_text("not a checkpoint folder: this write is meant to fail once\n")

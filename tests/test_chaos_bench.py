@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from bench.chaos import KINDS, PRIMARY, fault_plan, trigger_points
+from bench.chaos import CHECKPOINT_EVERY, KINDS, PRIMARY, fault_plan, next_checkpoint_samples, trigger_points
 from tests.faults import ROOT
 
 
@@ -27,6 +27,26 @@ def test_trigger_points_are_sorted_inside_the_run():
     points = trigger_points(0, 5, 2048)
     assert points == sorted(points) and all(0.1 * 2048 <= p <= 0.6 * 2048 for p in points)
     assert points == trigger_points(0, 5, 2048)
+
+
+def test_the_failing_write_is_placed_on_a_checkpoint_the_run_really_writes():
+    """The storage_write_fail target is a checkpoint of the run's step grid, past the step in flight: in the
+    full soak of 2026-12-02 a target 32 samples off the grid of a 64-sample phase (800) was never written, so
+    the fault did nothing and was counted as not survived."""
+    from app.config import load_config
+    from app.schedule import Schedule
+    from tests.faults import long_run, steps_for
+
+    overrides = {a.split("=", 1)[0].removeprefix("--"): a.split("=", 1)[1] for a in long_run(6)
+                 if not a.startswith("--scaling.worker_resources")}
+    cfg = load_config("smoke", overrides)
+    sched = Schedule(cfg.schedule, cfg.optim, 512)
+    for before in (704, 1024 + 3 * 32):  # a reported step in the 64-sample phase, then in the 32-sample one
+        target = next_checkpoint_samples(sched, before)
+        epoch = next(e for e in range(sched.epochs) if target <= sched.epoch_start(e + 1))
+        on_grid = (target - sched.epoch_start(epoch)) % sched.phase_for_epoch(epoch).batch_size == 0
+        assert on_grid and target > before + sched.phase_for_epoch(epoch).batch_size, (before, target)
+        assert steps_for(sched, target) % CHECKPOINT_EVERY == 0 or target == sched.epoch_start(epoch + 1)
 
 
 def test_unknown_fault_kind_is_refused_by_name():
