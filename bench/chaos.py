@@ -323,18 +323,22 @@ class Soak:
         plan = fault_plan(self.seed, self.kinds)
         total = run_schedule(self.run_dir).total_samples
         points = iter(trigger_points(self.seed, len(self.kinds), total))
-        for kind in plan:
+        for i, kind in enumerate(plan):
+            if self.proc.poll() is not None:  # the run ended while the fault before recovered: none of these
+                self.skipped += [{"kind": k, "at": None, "why": "the run had ended"} for k in plan[i:]]
+                break
             if kind != "node_add":
                 at = next(points)
                 if self._wait(lambda at=at: self._last().get("samples_seen", 0) >= at, f"samples_seen >= {at}") is None:
+                    self.skipped += [{"kind": k, "at": None, "why": "the run had ended"} for k in plan[i:]]
                     break  # the run ended before this fault's turn
                 if self._last().get("samples_seen", 0) > LATE * total:  # earlier recoveries took the run this far
-                    self.skipped.append({"kind": kind, "at": self._last().get("samples_seen", 0)})
+                    self.skipped.append({"kind": kind, "at": self._last().get("samples_seen", 0),
+                                         "why": f"past {LATE:.0%} of the run"})
                     note(f"chaos: {kind} not injected: the run is past {LATE:.0%} of its samples")
                     continue
             fault = self._inject(kind)
-            if self._wait(lambda fault=fault: self._recovered(fault), f"recovery from {kind}") is None:
-                break
+            self._wait(lambda fault=fault: self._recovered(fault), f"recovery from {kind}")
         self._finish_driver(timeout=STEP_TIMEOUT_S * 2)
         return time.time() - t0
 
@@ -370,7 +374,8 @@ class Soak:
             row["survived"] += int(ok)
             # The run ended before it took a step after the fault: it outlived the fault, which proves nothing
             # either way (counted apart, never as survived).
-            outlived = finished and not ok and start is None and not after
+            # (For node_add: the run ended before it grew onto the new node.)
+            outlived = finished and first is None
             row["outlived"] += int(outlived)
             row["lost_samples"] += int(lost or 0)
             if first is not None:
