@@ -1,4 +1,4 @@
-"""Where JPEG tiers are decoded under ``data.decode_on=auto`` (issue 27, D6): the placement that leaves the
+"""Where JPEG tiers are decoded under ``data.decode_on=auto``: the placement that leaves the
 *training* rate higher wins (device decode adds to the step's device time, CPU decode costs the GPU nothing),
 the CPUs are counted as the physical cores behind Ray's CPU resource, and the nvJPEG probe runs in a one-GPU Ray
 task, never in the driver (a cluster without GPUs is not probed at all)."""
@@ -30,7 +30,7 @@ def jpeg_manifest(tmp_path_factory) -> Manifest:
 def test_gpu_decode_faster_than_the_cpus_but_slowing_the_step_keeps_the_cpu_path():
     # One GPU decodes 5,000 img/s, more than the 300 img/s x 12 cores = 3,600 the CPUs feed; but the model trains
     # at 2,500 img/s, which the CPUs feed in full, while decoding on its GPU slows it to 1/(1/2500 + 1/5000).
-    # The rule before issue 27 compared 5,000 with 3,600 and took the device.
+    # A rule comparing the decode rates alone (5,000 against 3,600) would take the device.
     assert pick_decode(300.0, 5000.0, 12.0, 2500.0) == "cpu"
 
 
