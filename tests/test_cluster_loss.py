@@ -32,6 +32,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _named(proc: psutil.Process, name: str) -> bool:
+    """Whether ``proc`` is called ``name``; a process that ended since it was listed (a Ray worker leaving) is not."""
+    try:
+        return proc.name() == name
+    except psutil.NoSuchProcess:
+        return False
+
+
 class HeadCluster:
     """``ray start --head --block`` in its own session and temp dir; ``stop()`` ends all its processes."""
 
@@ -55,7 +63,7 @@ class HeadCluster:
         except psutil.NoSuchProcess:
             procs = []
         if only is not None:
-            stop_processes([p for p in procs if p.name() == only])
+            stop_processes([p for p in procs if _named(p, only)])
             return
         stop_processes(procs)
         self.log.close()

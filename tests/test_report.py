@@ -332,7 +332,8 @@ def test_report_renders_from_a_real_smoke_run(tmp_path: Path) -> None:
     if not _smoke_supported():
         pytest.skip("app/run.py --smoke-test/--report not available yet")
     storage = tmp_path / "runs"
-    out = subprocess.run([sys.executable, "app/run.py", "--smoke-test", "--storage", str(storage)],
+    out = subprocess.run([sys.executable, "app/run.py", "--smoke-test", "--storage", str(storage),
+                          "--scaling.ray_address=local"],
                          capture_output=True, text=True, cwd=REPO, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     runs = [p.parent for p in storage.rglob("metrics.jsonl")]
