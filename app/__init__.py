@@ -1,19 +1,41 @@
 """lightray: ImageNet-class training at record speed on a Ray cluster of spot GPU machines.
 
-``from app import load_model`` gives a trained run's model and its preprocessing; torch is imported on
-first use, so ``import app`` (every command line start) stays cheap.
+``lightray.train(config, **overrides)`` runs a recipe and returns its ``Result``; ``lightray.load_model(run)``
+gives a trained run's model and its preprocessing. Torch and Ray are imported on first use, so
+``import lightray`` (every command line start) stays cheap.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["load_model"]
+if TYPE_CHECKING:
+    import torch
+
+    from lightray.api import Result
+    from lightray.inference import EvalTransform
+
+__all__ = ["Result", "load_model", "train"]
+
+
+def train(config: str = "demo", *, resume: bool = False, verbose: bool = False, **overrides: Any) -> Result:
+    """Train the recipe ``config`` with dotted-key ``overrides`` (see ``lightray.api.train``)."""
+    from lightray.api import train as run
+
+    return run(config, resume=resume, verbose=verbose, **overrides)
+
+
+def load_model(run_or_model_dir: str, weights: str = "best", device: Any = "cpu"
+               ) -> tuple[torch.nn.Module, EvalTransform]:
+    """(model in eval mode, preprocessing transform) of a run's exported model (see ``lightray.inference``)."""
+    from lightray.inference import load_model as load
+
+    return load(run_or_model_dir, weights, device)
 
 
 def __getattr__(name: str) -> Any:
-    if name == "load_model":
-        from app.inference import load_model
+    if name == "Result":
+        from lightray.api import Result
 
-        return load_model
-    raise AttributeError(f"module 'app' has no attribute {name!r}")
+        return Result
+    raise AttributeError(f"module 'lightray' has no attribute {name!r}")

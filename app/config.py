@@ -248,7 +248,7 @@ class ModelConfig:
     cudnn_benchmark: Bool = True  # let cuDNN time conv algorithms per shape (GPU only)
     tf32: Bool = True  # TF32 matmul/conv for the parts that stay fp32 (Ampere+ GPUs only)
     # BatchNorm statistics over the global batch (an all-reduce per BN layer), so the steps do not depend on
-    # the worker count; false = each worker normalises its own share (app/train/global_bn.py says why)
+    # the worker count; false = each worker normalises its own share (app/comm/global_bn.py says why)
     global_bn: Bool = False
 
 
@@ -316,7 +316,7 @@ class ScalingConfig:
     # extra per-worker resources, e.g. {GPU_node: 1}
     worker_resources: Annotated[dict[str, Float], BeforeValidator(_yaml_mapping)] = field(default_factory=dict)
     seed: Int = 0
-    # Spot interruption watcher (app/train/spot_watcher.py): auto = on for nodes with GPUs, or on every node
+    # Spot interruption watcher (app/driver/spot_watcher.py): auto = on for nodes with GPUs, or on every node
     # when spot_endpoint is changed from the AWS default; on = every node; off = none.
     spot_watcher: Annotated[Str, OneOf("auto", "on", "off")] = "auto"
     spot_endpoint: Str = "http://169.254.169.254"  # instance metadata service (IMDSv2) base URL
@@ -335,7 +335,7 @@ class ScalingConfig:
 @_section
 @dataclass
 class CommConfig:
-    # auto: dense, bf16/fp16 or hierarchical_topk, picked at start by the crossover model (app/train/comm_auto.py)
+    # auto: dense, bf16/fp16 or hierarchical_topk, picked at start by the crossover model (app/comm/auto.py)
     mode: Annotated[Str, OneOf("dense", "fp16", "bf16", "topk", "hierarchical_topk", "powersgd", "auto")] = "dense"
     # the link between nodes, Gbit/s per node, for mode=auto (Ray cannot measure it); 0 = not given
     link_gbps: Annotated[Float, Range(0.0, 1e6)] = 0.0
@@ -346,7 +346,7 @@ class CommConfig:
     powersgd_rank: Annotated[Int, Range(1, 1024)] = 2
     # dense steps after a resume with a different worker set (residuals reset)
     resize_dense_steps: Annotated[Int, Range(0, 10**6)] = 1
-    # Deep Gradient Compression units (app/train/dgc.py), for topk / hierarchical_topk:
+    # Deep Gradient Compression units (app/comm/dgc.py), for topk / hierarchical_topk:
     momentum_correction: Bool = False  # the hook accumulates velocity; the SGD optimizer then runs momentum 0
     # clip each local bucket gradient to local_clip / sqrt(world) before accumulating; 0 = off
     local_clip: Annotated[Float, Range(0.0, 1e6)] = 0.0

@@ -26,10 +26,10 @@ import torch
 from PIL import Image
 from torch import nn
 
-from app import storage
-from app.data import augment, images
-from app.train import device as dev
-from app.train.export import MODEL_DIR, MODEL_JSON, state_from_bytes
+from lightray import storage
+from lightray.data import augment, images
+from lightray.train import device as dev
+from lightray.train.export import MODEL_DIR, MODEL_JSON, state_from_bytes
 
 log = logging.getLogger("lightray.inference")
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -127,8 +127,8 @@ def _pick_device(device: str | torch.device | None) -> torch.device:
 def open_model(run_or_model_dir: str, weights: str = "best", device: str | torch.device | None = "auto"
                ) -> LoadedModel:
     """Load an exported model (no Ray): the module in eval mode, its transform, classes and model.json."""
-    from app.config import config_from_dict
-    from app.train.model import build_model
+    from lightray.config import config_from_dict
+    from lightray.train.model import build_model
 
     if weights not in ("best", "final"):
         raise ValueError(f"weights: bad value {weights!r}; expected best or final")
@@ -217,8 +217,8 @@ def folder_items(data: str, classes: list[str], transform: EvalTransform) -> lis
 
 def source_items(data: str, classes: list[str], transform: EvalTransform) -> list[Item]:
     """Labelled images of any source kind training takes (app/data/labelled.py): class folders, Parquet or tars."""
-    from app.data.labelled import row_items
-    from app.data.source import detect_kind
+    from lightray.data.labelled import row_items
+    from lightray.data.source import detect_kind
 
     if detect_kind(data) == "imagefolder":
         return folder_items(data, classes, transform)
@@ -227,9 +227,9 @@ def source_items(data: str, classes: list[str], transform: EvalTransform) -> lis
 
 def run_val_items(folder: str, info: dict[str, Any]) -> list[Item]:
     """The run's own val split, read from the shard cache it trained from (data.json names it)."""
-    from app.data.manifest import Manifest
-    from app.data.shard_cache import ParquetShard, read_columns
-    from app.data.source import DataError
+    from lightray.data.manifest import Manifest
+    from lightray.data.shard_cache import ParquetShard, read_columns
+    from lightray.data.source import DataError
 
     run_dir = folder.rstrip("/").rpartition("/")[0] if folder.rstrip("/").endswith("/" + MODEL_DIR) else folder
     try:

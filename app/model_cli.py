@@ -36,7 +36,7 @@ def predict_parser() -> argparse.ArgumentParser:
 
 def run_eval(argv: list[str]) -> int:
     args = eval_parser().parse_args(argv)
-    from app.inference import evaluate_folder
+    from lightray.inference import evaluate_folder
 
     try:
         res = evaluate_folder(args.run, args.data, args.weights, args.device, args.batch_size, args.out)
@@ -65,7 +65,7 @@ def run_eval(argv: list[str]) -> int:
 
 def run_predict(argv: list[str]) -> int:
     args = predict_parser().parse_args(argv)
-    from app.inference import predict
+    from lightray.inference import predict
 
     try:
         results = predict(args.run, args.inputs, args.top, args.weights, args.device)

@@ -20,7 +20,7 @@ import bisect
 import math
 from dataclasses import asdict, dataclass
 
-from app.config import OptimConfig, Phase, ScheduleConfig
+from lightray.config import OptimConfig, Phase, ScheduleConfig
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pyarrow.fs as pafs
 
-from app.storage_retry import retrying, s3_client
+from lightray.storage_retry import retrying, s3_client
 
 FileInfo = pafs.FileInfo
 FileType = pafs.FileType

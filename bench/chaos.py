@@ -9,11 +9,11 @@ run has recovered from the one before):
 - ``node_kill``: a worker node's raylet and every process on it killed at once (a spot machine reclaimed
   without notice); the run goes on with the nodes left.
 - ``preemption``: a spot notice served by the local metadata server (tests/imds_server.py) to the real spot
-  watcher actor (app/train/spot_watcher.py) on one worker node, which drains its node with reason PREEMPTION;
+  watcher actor (app/driver/spot_watcher.py) on one worker node, which drains its node with reason PREEMPTION;
   once Ray Train has left it the node is removed.
 - ``node_add``: after each of the two above, a node is added back and the run grows again.
 - ``driver_kill``: the driver process killed (SIGKILL) and started again with ``--resume``; the injection records
-  whether the new driver cancelled the dead one's resource bookings (app/train/stale_runs.py), which would
+  whether the new driver cancelled the dead one's resource bookings (app/driver/stale_runs.py), which would
   otherwise hold the worker group back for 3 minutes.
 - ``checkpoint_corrupt``: the driver killed, a byte flipped in the newest checkpoint's state file, the driver
   started again with ``--resume``: the resume must skip that checkpoint and take the one before.
@@ -269,8 +269,8 @@ class Soak:
         return fault
 
     def _preempt(self, fault: dict) -> None:
-        from app.config import ScalingConfig
-        from app.train.spot_watcher import start_watchers, stop_watchers
+        from lightray.config import ScalingConfig
+        from lightray.driver.spot_watcher import start_watchers, stop_watchers
 
         doomed = self.nodes.nodes[0]
         cfg = ScalingConfig(spot_watcher="on", spot_endpoint=self.imds.url, spot_poll_s=0.5)

@@ -35,7 +35,7 @@ forward + backward of ResNet-50 at ``--overhead-batch`` images of 224 px on the 
 and the batch are printed: the fraction shrinks as the batch grows. With a CUDA device visible the same is
 measured there too (``compress_overhead_gpu``).
 
-Projection and crossover (modelled; ``app.train.comm_auto``, the model ``comm.mode=auto`` decides with, its
+Projection and crossover (modelled; ``lightray.comm.auto``, the model ``comm.mode=auto`` decides with, its
 formula and every input written out under ``projection``): alpha-beta collectives over one link per node and
 fast links inside it, and an overlap-aware step:
 ``step_s = compute_s + extra_s + sync_s + max(0, async_s - overlap_s)``.
@@ -54,7 +54,7 @@ measured compute (2 simulated nodes, CPU shared-memory links inside a node).
 
 Inter-node bytes, dense over hierarchical top-k (``figures.inter_node_bytes_dense_over_hierarchical_topk``), at
 ratios 0.01 and 0.001, each with the compact payload (fp16 values + 16-bit index offsets, 4 bytes an entry) and
-the fp32 one (8 bytes): ``modelled`` by ``app.train.comm_auto`` for 16 nodes x 8 GPUs and the first model's
+the fp32 one (8 bytes): ``modelled`` by ``lightray.comm.auto`` for 16 nodes x 8 GPUs and the first model's
 gradient; ``counted`` from one step of the whole gradient through the hook on the simulated nodes here (bytes
 handed to the wrapped collectives: S per worker for dense, B per node for the cross-node all-gathers), turned into
 the per-link ratio 2 S / (N B) for the nodes here and for N = 16 (the formula is printed with the figure).
@@ -87,8 +87,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from app.train import comm_auto
 from bench.common import Machine, emit
+from lightray.comm import auto as comm_auto
 
 MODES = ["dense", "fp16", "bf16", "topk", "hierarchical_topk", "powersgd"]
 PROJECTED_MODES = ["dense", "hierarchical_dense", "fp16", "bf16", "topk", "hierarchical_topk", "powersgd"]
@@ -137,7 +137,7 @@ def n_buckets(elements: int) -> int:
 
 def project(arch: str, n_elems: int, psgd_elems: int, compress_s: float, cast_s: float, window_share: float,
             compress_source: str, ratio: float = RATIO) -> dict[str, Any]:
-    """The overlap-aware model (app.train.comm_auto) at 16 x 8 V100 on 25 Gbps: per mode the modelled step, its
+    """The overlap-aware model (lightray.comm.auto) at 16 x 8 V100 on 25 Gbps: per mode the modelled step, its
     parts, the scaling efficiency and the crossover link speed, with the model and every input."""
     compute = PER_GPU_BATCH / V100_IMG_PER_S[arch]
     cluster = comm_auto.Cluster(NODES, GPUS_PER_NODE, LINK_GBPS, comm_auto.INTRA_GBPS["cuda"])
@@ -201,9 +201,9 @@ def _overlap(timings: list[tuple[int, float, float]], t_backward: float) -> dict
 def _measure_worker(rank: int, world: int, folder: str, arch: str, steps: int) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from app.config import CommConfig
-    from app.train.comm import CommHook
-    from app.train.topology import Topology
+    from lightray.comm.hook import CommHook
+    from lightray.comm.topology import Topology
+    from lightray.config import CommConfig
 
     dist.init_process_group("gloo", init_method=f"file://{folder}/store-{arch}", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -279,8 +279,8 @@ def _measure_worker(rank: int, world: int, folder: str, arch: str, steps: int) -
 def _bytes_pass(topo: Any, n: int, rank: int, handed: _Handed) -> dict[str, Any]:
     """Bytes handed to the collectives for one step of the whole gradient (25 MB buckets, the hook's aggregate):
     dense, and hierarchical top-k at each of ``BYTES_RATIOS`` with each payload; by process group."""
-    from app.config import CommConfig
-    from app.train.comm import CommHook
+    from lightray.comm.hook import CommHook
+    from lightray.config import CommConfig
 
     grads = torch.randn(n, generator=torch.Generator().manual_seed(200 + rank))
     pieces = grads.split(int(BUCKET_MB * 1024 * 1024 / 4))
@@ -306,7 +306,7 @@ def _bytes_pass(topo: Any, n: int, rank: int, handed: _Handed) -> dict[str, Any]
 def inter_node_bytes_figure(arch: str, n: int, bytes_pass: dict[str, Any], nodes_here: int,
                             per_node_here: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """Inter-node bytes per step, dense over hierarchical top-k, at ``BYTES_RATIOS`` and both payloads: modelled
-    (app.train.comm_auto) at 16 x 8 for ``arch``, and from the bytes counted here, with the formula written out.
+    (lightray.comm.auto) at 16 x 8 for ``arch``, and from the bytes counted here, with the formula written out.
     Returns (figure, goal entry)."""
     fig: dict[str, Any] = {
         "layout": f"{NODES} nodes x {GPUS_PER_NODE} GPUs, {arch} ({n} elements), {BUCKET_MB:g} MB buckets",
@@ -393,10 +393,10 @@ def _sync(device: torch.device) -> None:
 def compress_overhead(batch: int, ratio: float, reps: int = 3, device: torch.device | None = None) -> dict[str, Any]:
     """Seconds of the hook's own compute per step over ResNet-50's gradient buckets, per selection method
     and with/without the DGC units, against a measured ResNet-50 forward + backward on ``device`` (this CPU)."""
-    from app.config import CommConfig
-    from app.train.comm import CommHook
-    from app.train.compress import k_for, payload_nbytes
-    from app.train.topology import Topology
+    from lightray.comm.compress import k_for, payload_nbytes
+    from lightray.comm.hook import CommHook
+    from lightray.comm.topology import Topology
+    from lightray.config import CommConfig
 
     device = device or torch.device("cpu")
     model = _model("resnet50").to(device)

@@ -17,8 +17,8 @@ from typing import Any, TextIO
 
 import psutil
 
-from app.provenance import git_revision
-from app.storage import read_jsonl  # noqa: F401  (re-exported: benches and tests read run logs)
+from lightray.provenance import git_revision
+from lightray.storage import read_jsonl  # noqa: F401  (re-exported: benches and tests read run logs)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

@@ -123,7 +123,7 @@ class Sampler:
                 cmd, name = p.cmdline(), p.name()
             except psutil.Error:
                 continue
-            # The command's own process and the driver it forks (app/train/driver_guard.py) are both the driver.
+            # The command's own process and the driver it forks (app/driver/guard.py) are both the driver.
             driver = p.pid == self.root.pid or (p.ppid() == self.root.pid and cmd == self.root.cmdline())
             kind = "driver" if driver else classify(cmd, name)
             self.tracked[p.pid] = Tracked(p, kind, " ".join(cmd)[:120])
@@ -211,7 +211,7 @@ def run_once(label: str, extra: list[str], storage: str, name: str, cache_dir: s
     out = {"label": label, **out}
     run_dir = os.path.join(storage, name)
     try:
-        from app.startup import FILE, breakdown
+        from lightray.startup import FILE, breakdown
 
         with open(os.path.join(run_dir, FILE)) as f:
             startup_rec = json.load(f)
@@ -291,7 +291,7 @@ def measure(extra: list[str], repeats: int, timeout_s: float, root: str, tag: st
 
 
 def _floor(timeout_s: float, root: str, recipe: str) -> dict[str, Any]:
-    from app.config import load_config
+    from lightray.config import load_config
 
     cfg = load_config(recipe)
     return measure_floor(timeout_s, os.path.join(root, "floor"), cfg.worker_range()[1], cfg.scaling.cpus_per_worker)

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     figures: dict[str, Any] = {"stop_after_steps": args.stop, "seconds": {}}
     try:
         if args.dry_run:
-            from app.cli import build_parser, config_from_args
+            from lightray.cli import build_parser, config_from_args
 
             for cmd in runs.values():  # the CLI's own parser and config: a renamed flag or key fails here
                 known, rest = build_parser().parse_known_args(cmd[2:])

@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
-from app.config import ModelConfig, OptimConfig
-from app.train import device as dev
-from app.train.model import build_model, to_device
-from app.train.optim import build_loss, build_optimizer, set_lr_momentum
 from bench.common import Machine, emit
+from lightray.config import ModelConfig, OptimConfig
+from lightray.train import device as dev
+from lightray.train.model import build_model, to_device
+from lightray.train.optim import build_loss, build_optimizer, set_lr_momentum
 
 REFERENCE_A100_AMP_IMG_S = 2500.0
 TARGET_H200_IMG_S = 3000.0

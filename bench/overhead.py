@@ -4,7 +4,7 @@
     python -m bench.overhead --quick           # a correctness run in well under a minute of training
     python -m bench.overhead --resolution 64 --batch 64 --steps 120 --warmup 20
 
-Both sides train the same model (``app.train.model.build_model``, resnet_tiny, same seed, channels_last
+Both sides train the same model (``lightray.train.model.build_model``, resnet_tiny, same seed, channels_last
 as in the demo recipe), on the same pre-decoded uint8 NHWC tensors (random pixels and labels made once
 in this process; a pool of 50 global batches, cycled), with the same global batch, number of steps and
 worker count. Steps/s are measured after the first ``--warmup`` steps on both sides, over the same range.
@@ -15,14 +15,14 @@ worker count. Steps/s are measured after the first ``--warmup`` steps on both si
     straight out of an in-memory uint8 tensor and normalises it as lightray does. One torch thread per
     process (what torchrun sets, and what Ray gives a worker reserving under one CPU).
 
-(b) lightray: the real ``app.train.worker.train_loop_per_worker`` run by a real Ray Train ``TorchTrainer``
+(b) lightray: the real ``lightray.train.worker.train_loop_per_worker`` run by a real Ray Train ``TorchTrainer``
     (``ScalingConfig`` with the recipe's ``cpus_per_worker``, ``RunConfig``/``FailureConfig``/
     ``CheckpointConfig`` as ``run_training`` builds them, Ray Data's resource cap as ``run_training`` sets
     it), so it includes: worker-group start, adaptive DDP bucket sizing, the comm hook (dense), the LR /
     momentum schedule applied every step, the run-log actor and TensorBoard events every
     ``--report-every`` steps, ``ray.train.get_preemption_info()`` (a collective) at every report, the
     end-of-epoch validation + checkpoint (after the timed range). The data path is a thin variant of
-    ``app.data.ingest.PlanDataConfig``: the same per-rank streams (plan blocks -> ``map_batches`` tasks with
+    ``lightray.data.ingest.PlanDataConfig``: the same per-rank streams (plan blocks -> ``map_batches`` tasks with
     the same fractional CPUs, per-rank task pool and ``preserve_order``) but each task slices the rank's
     rows out of the pre-decoded tensors (one object-store array) instead of decoding + cropping shard
     rows, so JPEG decode and augmentation are not measured; Ray Data streaming + Ray Train + the worker
@@ -62,8 +62,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from app.train.device import IMAGENET_MEAN, IMAGENET_STD
 from bench.common import REPO, Machine, emit, load_avg, note, pin_threads, ratio, read_jsonl, resolved_ratio
+from lightray.train.device import IMAGENET_MEAN, IMAGENET_STD
 
 POOL_STEPS = 50  # distinct global batches held in memory; step s trains on batch s % POOL_STEPS
 
@@ -79,7 +79,7 @@ def make_data(steps: int, batch: int, resolution: int, classes: int, seed: int =
 
 
 def build_config(args: argparse.Namespace, storage: str, name: str):
-    from app.config import load_config
+    from lightray.config import load_config
 
     return load_config("demo", {
         "name": name, "storage": storage,
@@ -98,9 +98,9 @@ def _plain_worker(rank: int, world: int, folder: str, images: np.ndarray, labels
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from app.config import config_from_dict
-    from app.data.plan import rank_slice
-    from app.train.model import build_model
+    from lightray.config import config_from_dict
+    from lightray.data.plan import rank_slice
+    from lightray.train.model import build_model
 
     pin_threads(threads)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
@@ -161,7 +161,7 @@ def _slice_blocks(blocks: dict, *, data: list, batch: int, rank: int, world_size
     """Rank's rows of the steps in ``blocks``: the in-memory stand-in for ``ingest.train_block_batch``."""
     import ray
 
-    from app.data.plan import rank_slice
+    from lightray.data.plan import rank_slice
 
     images, labels = ray.get(data[0])  # zero-copy views of the object-store arrays
     lo, hi = rank_slice(batch, world_size, rank)
@@ -184,7 +184,7 @@ def _val_rows(blocks: dict, *, data: list, rank: int, world_size: int) -> dict:
 
 def _in_memory_data_config(spec, data_ref, val_ref, batch: int):
     """``PlanDataConfig`` with the map function swapped for a slice of the pre-decoded tensors."""
-    from app.data.ingest import PlanDataConfig
+    from lightray.data.ingest import PlanDataConfig
 
     class InMemoryPlanDataConfig(PlanDataConfig):
         def map_for(self, name, rank, world_size):
@@ -198,8 +198,8 @@ def _in_memory_data_config(spec, data_ref, val_ref, batch: int):
 
 
 def _train_blocks(run_dir: str, spec):
-    from app.data.ingest import make_blocks_dataset, phase_blocks
-    from app.train.state import choose_and_record_resume
+    from lightray.data.ingest import make_blocks_dataset, phase_blocks
+    from lightray.train.state import choose_and_record_resume
 
     choose_and_record_resume(run_dir)  # what runner._train_dataset does at each worker-group start
     return make_blocks_dataset(phase_blocks(spec, 0, 0, 0))
@@ -216,7 +216,7 @@ def _pinned_train_loop(config: dict) -> None:
     records the count it ran with."""
     import ray.train
 
-    from app.train.worker import train_loop_per_worker
+    from lightray.train.worker import train_loop_per_worker
 
     config = dict(config)
     threads, folder = config.pop("bench_threads"), config.pop("bench_threads_dir")
@@ -231,10 +231,10 @@ def run_lightray(images: np.ndarray, labels: np.ndarray, cfg, steps: int, warmup
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from app import storage
-    from app.data.ingest import IngestSpec, PhaseSpec, TierShards
-    from app.report.runlog import start_runlog
-    from app.train.runner import _limit_data_resources, connect_ray
+    from lightray import storage
+    from lightray.data.ingest import IngestSpec, PhaseSpec, TierShards
+    from lightray.driver.runner import _limit_data_resources, connect_ray
+    from lightray.report.runlog import start_runlog
 
     t0 = time.perf_counter()
     connect_ray(cfg)

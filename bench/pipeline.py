@@ -26,7 +26,7 @@ files were just written, so "cold" here is not a cold page cache: this bench can
 (e) ``device``: device augmentation from the node-local shard cache of a raw tier (stored decoded): the tasks
     copy each sample's window and ship its crop box and flip bit; the figure is what reaches the consumer
     (pinned and copied to the GPU without blocking when there is one). The batched crop itself
-    (``app.train.device.crop_resize_flip``) is timed apart on the bench's device, CUDA when present, else
+    (``lightray.train.device.crop_resize_flip``) is timed apart on the bench's device, CUDA when present, else
     the CPU, and labelled so (``device_op_device``): on a GPU it costs the CPUs nothing.
 (f) ``device_decode``: decode on the device from the node-local shard cache of the JPEG tier (the same shards
     as (c)): the tasks pass each sample's JPEG bytes through with its crop box and flip bit, and the consumer
@@ -183,7 +183,7 @@ def lightray_one_process(spec, images: int = ONE_PROCESS_IMAGES) -> float:
     """images/s of lightray's map function (read from the node-local shard cache, decode, crop, flip, stack)
     called in this process on the phase's plan blocks, without Ray: the per-core cost of the work its Ray
     Data tasks do."""
-    from app.data.ingest import phase_blocks, train_block_batch
+    from lightray.data.ingest import phase_blocks, train_block_batch
 
     def run(bl: dict) -> int:
         out = train_block_batch({k: np.array([bl[k]]) for k in ("epoch", "step0", "nsteps")},
@@ -274,7 +274,7 @@ def baselines(src: pathlib.Path, work: pathlib.Path, sizes: list[int], cores: in
 
 def _spec(manifest, size: int, local_dir: str, epochs: int, batch: int):
     """The one-phase ingest spec of ``size`` px, with Ray Data's knobs at their defaults until :func:`_tuned`."""
-    from app.data.ingest import IngestSpec, PhaseSpec, tier_shards
+    from lightray.data.ingest import IngestSpec, PhaseSpec, tier_shards
 
     train = tier_shards(manifest, "train", size)
     n = manifest.num_samples("train")
@@ -287,7 +287,7 @@ def _tuned(spec, seconds: float, figures: dict, key: str) -> float:
     """Set the spec's tasks in flight, CPUs per task and rows per task as a run does (``autotune.apply``:
     calibrated on this machine, cached per data and level, defaults below its sample minimum); records the
     choice under ``figures[key + "_autotune"]`` and returns the seconds it took."""
-    from app.data import autotune
+    from lightray.data import autotune
 
     t0 = time.perf_counter()
     choice = autotune.apply(spec, seconds=seconds)
@@ -300,7 +300,7 @@ def _tuned(spec, seconds: float, figures: dict, key: str) -> float:
 def lightray_epochs(spec, to_device=None) -> tuple[float, float, float]:
     """(images/s, seconds, peak MB) over every epoch of the spec's single phase, as a worker consumes it;
     ``to_device(batch)`` is the consumer's copy (pinned, non-blocking), when there is a GPU to copy to."""
-    from app.data.ingest import PlanDataConfig, make_blocks_dataset, phase_blocks
+    from lightray.data.ingest import PlanDataConfig, make_blocks_dataset, phase_blocks
 
     n = 0
     with PeakMemory() as mem:
@@ -321,7 +321,7 @@ def cuda_copy():
 
     if not torch.cuda.is_available():
         return None
-    from app.train.device import host_to_device
+    from lightray.train.device import host_to_device
 
     device = torch.device("cuda")
     return lambda batch: [host_to_device(torch.from_numpy(batch[k]), device) for k in ("image", "box", "flip")]
@@ -331,8 +331,8 @@ def time_device_op(spec, size: int, batches: int = 3) -> tuple[float, str]:
     """(images/s, device) of the batched crop+resize+flip on one delivered batch, on CUDA when present."""
     import torch
 
-    from app.data.ingest import phase_blocks, train_block_batch
-    from app.train.device import crop_resize_flip
+    from lightray.data.ingest import phase_blocks, train_block_batch
+    from lightray.train.device import crop_resize_flip
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     blocks = phase_blocks(spec, 0, 0, 0)[:1]
@@ -355,8 +355,8 @@ def decode_consumer(size: int):
     present, else on the CPU device in this process, as a Train worker would."""
     import torch
 
-    from app.data.device_decode import decode_batch
-    from app.train.device import crop_resize_flip
+    from lightray.data.device_decode import decode_batch
+    from lightray.train.device import crop_resize_flip
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -371,7 +371,7 @@ def decode_consumer(size: int):
 
 def time_decode_op(spec, size: int, batches: int = 3) -> float:
     """Images/s of decode_jpeg + the batched crop alone on one delivered batch (the consumer's work)."""
-    from app.data.ingest import phase_blocks, train_block_batch
+    from lightray.data.ingest import phase_blocks, train_block_batch
 
     blocks = phase_blocks(spec, 0, 0, 0)[:1]
     b = train_block_batch({k: np.array([blk[k] for blk in blocks]) for k in ("epoch", "step0", "nsteps")},
@@ -429,10 +429,10 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     import torch
 
-    from app.data import shard_cache
-    from app.data.ingest import plan_augmentation, plan_decode
-    from app.data.manifest import Manifest
-    from app.data.prepare import prepare
+    from lightray.data import shard_cache
+    from lightray.data.ingest import plan_augmentation, plan_decode
+    from lightray.data.manifest import Manifest
+    from lightray.data.prepare import prepare
 
     work = pathlib.Path(args.keep or tempfile.mkdtemp(prefix="lightray-bench-pipeline-"))
     src = work / "src"

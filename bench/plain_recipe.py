@@ -31,9 +31,9 @@ from PIL import Image
 def load_arrays(source: str, val_fraction: float, seed: int, limits: dict[str, int]) -> dict[str, Any]:
     """The train and val rows of a Parquet source as uint8 NHWC arrays and int64 labels: the rows a run takes
     (its hold-out, its evenly spaced limit), decoded once. Every image must have one size (CIFAR-10's 32 px)."""
-    from app.data import sources_parquet
-    from app.data.source import resolve_fs
-    from app.data.sources import list_source
+    from lightray.data import sources_parquet
+    from lightray.data.source import resolve_fs
+    from lightray.data.sources import list_source
 
     t0 = time.perf_counter()
     listing = list_source(source, val_fraction, seed, explicit=False)
@@ -64,7 +64,7 @@ def load_tree(tree: str, sizes: list[int], eval_size: int, eval_tier: int, crop_
     centre-cropped to ``crop_ratio`` of the short side and resized to ``eval_size`` (``val_cropped``)."""
     from torchvision.datasets import ImageFolder
 
-    from app.data.images import RESAMPLE, resize_short
+    from lightray.data.images import RESAMPLE, resize_short
 
     t0 = time.perf_counter()
     train, val = ImageFolder(f"{tree}/train"), ImageFolder(f"{tree}/val")
@@ -132,7 +132,7 @@ def center_crop(x: torch.Tensor, size: int, crop_ratio: float) -> torch.Tensor:
 
 
 def _normalise(batch: np.ndarray, channels_last: bool) -> torch.Tensor:
-    from app.train.device import IMAGENET_MEAN, IMAGENET_STD
+    from lightray.train.device import IMAGENET_MEAN, IMAGENET_STD
 
     x = torch.from_numpy(batch).permute(0, 3, 1, 2).float().div_(255)
     mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
@@ -164,11 +164,11 @@ def run(cfg, arrays: dict[str, Any], *, targets: list[float], threads: int, seed
     """Train ``cfg`` (a config fitted to the data) over ``arrays`` (:func:`load_arrays` or :func:`load_tree`);
     per-epoch records (epoch, val_top1, train_s, wall_s) until the highest target or the recipe's epochs, and the
     start-up seconds (model and optimiser build, the decode counted by the caller)."""
-    from app.schedule import Schedule
-    from app.train.ema import ModelEMA
-    from app.train.model import build_model
-    from app.train.optim import build_loss, build_optimizer, set_lr_momentum
     from bench.common import note
+    from lightray.schedule import Schedule
+    from lightray.train.ema import ModelEMA
+    from lightray.train.model import build_model
+    from lightray.train.optim import build_loss, build_optimizer, set_lr_momentum
 
     t_start = time.perf_counter()
     torch.set_num_threads(threads)

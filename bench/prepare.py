@@ -39,7 +39,7 @@ def make_source(root: str, n: int, seed: int = 0) -> None:
 
 
 def naive(root: str, out: str) -> int:
-    from app.data.source import list_imagefolder
+    from lightray.data.source import list_imagefolder
 
     entries = list_imagefolder(root).splits["train"]
     for t in TIERS:
@@ -67,8 +67,8 @@ def main() -> None:
     machine = Machine()
     import ray
 
-    from app.data import prepare as prep
-    from app.data.source import list_imagefolder
+    from lightray.data import prepare as prep
+    from lightray.data.source import list_imagefolder
 
     with tempfile.TemporaryDirectory() as tmp:
         src = f"{tmp}/src"

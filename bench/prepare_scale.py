@@ -138,7 +138,7 @@ def _ready(_: int) -> int:
 
 
 def measure_size(tmp: str, files: int, classes: int, pool: list[bytes]) -> dict[str, Any]:
-    from app.data import prepare as prep
+    from lightray.data import prepare as prep
 
     src, cache = f"{tmp}/src-{files}", f"{tmp}/cache-{files}"
     make_tree(src, files, classes, pool)
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     machine = Machine()
     import ray
 
-    from app.data import prepare as prep
+    from lightray.data import prepare as prep
 
     pool = jpeg_pool(257)
     start_ray(args.cpus)

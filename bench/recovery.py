@@ -177,7 +177,7 @@ def run_variant(nodes: NodeCluster, storage: pathlib.Path, cache: pathlib.Path, 
             doomed = nodes.nodes[0]
             fail_times.append(time.time())
             if notice:
-                from app.train.spot_watcher import drain_node_for_preemption
+                from lightray.driver.spot_watcher import drain_node_for_preemption
 
                 accepted, why = drain_node_for_preemption(doomed.node_id, int((fail_times[-1] + 120) * 1000),
                                                           "bench.recovery: spot interruption notice")

@@ -6,7 +6,7 @@ trials do not slow each other's start): ``before_not_shared`` (each trial a Ray 
 prepares, decodes its tiers and calibrates: how trials started when the issue was filed), ``train_shared``
 (worker groups, with the data work done once per experiment) and ``after_inline_shared`` (shared, and each
 one-worker trial trains in its own Tune process: ``trial_runner: inline``). Figures: each trial's seconds
-from its start to its first training step, split into phases (``app.tune.trial_startup``), medians per
+from its start to its first training step, split into phases (``lightray.tune.trial_startup``), medians per
 search. Ratio ``startup_after_over_before`` = median first-step seconds, after over before (goal <= 0.25);
 ``startup_shared_over_before`` isolates what sharing alone gives.
 
@@ -37,7 +37,7 @@ from typing import Any
 
 import yaml
 
-from bench.common import Machine, emit, note
+from bench.common import Machine, emit, note, spread
 
 SPACE = {
     "metric": "val_top1",
@@ -82,14 +82,6 @@ def trial_s_to_reach(points: list[tuple[float, float]], target: float) -> float 
     return next((s for s, b in points if b >= target - 1e-12), None)
 
 
-def spread(values: list[float]) -> dict[str, Any]:
-    if not values:
-        return {"n": 0, "mean": None, "stdev": None, "min": None, "max": None, "values": []}
-    return {"n": len(values), "mean": round(statistics.fmean(values), 4),
-            "stdev": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0,
-            "min": round(min(values), 4), "max": round(max(values), 4), "values": [round(v, 4) for v in values]}
-
-
 def compare(runs: dict[str, list[list[dict[str, Any]]]], budget_s: float) -> tuple[dict[str, Any], dict[str, Any]]:
     """Figures and ratios of the comparison from each method's searches (lists of trial records)."""
     pts = {m: [curve(trials) for trials in searches] for m, searches in runs.items()}
@@ -124,9 +116,9 @@ def compare(runs: dict[str, list[list[dict[str, Any]]]], budget_s: float) -> tup
         rand_vals = [s for s in reach["random"] if s is not None]
         ratios["resolved"] = bool(per_seed) and len(rand_vals) > 1 and min(per_seed) > 1.0 and \
             max(rand_vals) / max(min(rand_vals), 1e-9) < ratios["random_over_tpe_asha_trial_s_to_same_best"]
-    mean = {m: figures["best_top1_at_budget"][m]["mean"] for m in bests}
-    if mean.get("random") and mean.get("tpe_asha") is not None:
-        ratios["best_top1_mean_tpe_asha_over_random"] = round(mean["tpe_asha"] / mean["random"], 3)
+    mid = {m: figures["best_top1_at_budget"][m]["median"] for m in bests}
+    if mid.get("random") and mid.get("tpe_asha") is not None:
+        ratios["best_top1_median_tpe_asha_over_random"] = round(mid["tpe_asha"] / mid["random"], 3)
     return figures, ratios
 
 
@@ -153,8 +145,8 @@ def _space(path: pathlib.Path, args: argparse.Namespace, **over: Any) -> pathlib
 
 
 def _search(name: str, root: pathlib.Path, space: pathlib.Path) -> dict[str, Any]:
-    from app.config import load_config
-    from app.tune.search import run_search
+    from lightray.config import load_config
+    from lightray.tune.search import run_search
 
     cfg = load_config("demo", {"storage": str(root / "runs"), "name": name})
     t0 = time.time()

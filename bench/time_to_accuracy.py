@@ -6,7 +6,7 @@ CIFAR-10's real photos (``--dataset cifar10``, at the end of this text).
     python -m bench.time_to_accuracy --quick               # 4 classes, 1,200 images, 8 epochs: checks it works
     python -m bench.time_to_accuracy --quick --example-epochs 2   # the smallest check (the test's)
 
-Same data (``app.data.demo.ensure_demo`` with the recipe's data settings, made once before any side runs and
+Same data (``lightray.data.demo.ensure_demo`` with the recipe's data settings, made once before any side runs and
 not timed), same model (``build_model`` with the recipe's model section: resnet_tiny, channels_last), same
 machine, the sides run one after the other in this process, each evaluated on the whole validation split
 after every epoch. The recipe is read from ``app/recipes/demo.yaml`` (through ``load_config``), never copied.
@@ -22,7 +22,7 @@ after every epoch. The recipe is read from ``app/recipes/demo.yaml`` (through ``
     persistent workers), train ``RandomResizedCrop(res, scale=(min_scale, 1))`` + ``RandomHorizontalFlip``,
     val ``Resize(res / val_crop_ratio)`` + ``CenterCrop(res)`` at the recipe's eval resolution; ``SGD`` with
     the recipe's momentum and Nesterov, LR ``lr_per_256 x batch / 256``, per-step warm-up and decay with the
-    recipe's shape (``app.schedule.Schedule.lr_shape``: the curve lightray applies, evaluated from the
+    recipe's shape (``lightray.schedule.Schedule.lr_shape``: the curve lightray applies, evaluated from the
     recipe), weight decay only on conv/linear weights unless the recipe decays BN and biases too, the
     recipe's label smoothing, channels_last as the recipe. Threads and loader workers are set for the machine
     (``--plain-threads``, ``--plain-loader-workers``; default: the cores). It stops at the highest target or
@@ -88,7 +88,7 @@ def quick_overrides() -> dict[str, Any]:
     (twice the steps for the same images; the LR follows the batch). Measured here: 600 images for 6 epochs at
     24/32 px left both lightray and the tuned baseline below 0.5. The optimiser, warm-up, decay and smoothing
     stay the recipe's."""
-    from app.config import load_config
+    from lightray.config import load_config
 
     phases = [{"until": ph.until, "until_epoch": ph.until_epoch, "resolution": ph.resolution, "batch_size": 32,
                "min_scale": ph.min_scale} for ph in load_config("demo").schedule.phases]
@@ -98,9 +98,9 @@ def quick_overrides() -> dict[str, Any]:
 
 def demo_tree(storage: str, overrides: dict[str, Any]) -> str:
     """The demo ImageFolder tree lightray's prepare will use (same path, so it is made only once)."""
-    from app.config import load_config
-    from app.data.demo import ensure_demo
-    from app.data.prepare import resolve_cache_root
+    from lightray.config import load_config
+    from lightray.data.demo import ensure_demo
+    from lightray.data.prepare import resolve_cache_root
 
     cfg = load_config("demo", {"storage": storage, **overrides})
     root = resolve_cache_root(cfg)
@@ -181,7 +181,7 @@ def _folders(tree: str, train_tf, val_tf, classes_expected: int):
 def _normalize():
     import torchvision.transforms as T
 
-    from app.train.device import IMAGENET_MEAN, IMAGENET_STD
+    from lightray.train.device import IMAGENET_MEAN, IMAGENET_STD
 
     return T.Normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD)
 
@@ -192,8 +192,8 @@ def run_tuned_plain(tree: str, cfg, *, targets: list[float], threads: int, loade
     import torchvision.transforms as T
     from torch import nn
 
-    from app.schedule import Schedule
-    from app.train.model import build_model
+    from lightray.schedule import Schedule
+    from lightray.train.model import build_model
 
     if cfg.optim.name != "sgd":
         raise RuntimeError(f"optim.name={cfg.optim.name}: the plain baseline reproduces SGD recipes only")
@@ -250,8 +250,8 @@ def run_example(tree: str, cfg, *, targets: list[float], lr_per_256: float, thre
     import torchvision.transforms as T
     from torch import nn
 
-    from app.config import ModelConfig
-    from app.train.model import build_model
+    from lightray.config import ModelConfig
+    from lightray.train.model import build_model
 
     t_start = time.perf_counter()
     torch.set_num_threads(threads)
@@ -295,8 +295,8 @@ def run_lightray(storage: str, overrides: dict[str, Any], targets: list[float], 
                  recipe: str = "demo") -> dict[str, Any]:
     import ray
 
-    from app.config import load_config
-    from app.train.runner import run_training
+    from lightray.config import load_config
+    from lightray.driver.runner import run_training
 
     name = f"tta-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-s{seed}"
     cfg = load_config(recipe, {"storage": storage, "name": name, "scaling.ray_address": "local",
@@ -356,7 +356,7 @@ DEFAULT_CIFAR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.
 def cifar_overrides(data: str, quick: bool) -> dict[str, Any]:
     """The cifar10 recipe on ``data``; ``quick``: 4,000 training and 500 validation photos, 4 epochs, the recipe's
     phases at batch 64 instead of 512 (enough steps to learn; the LR follows the batch): a check."""
-    from app.config import load_config
+    from lightray.config import load_config
 
     out: dict[str, Any] = {"data.source": data}
     if quick:
@@ -372,10 +372,10 @@ def demo_arrays(tree: str, cfg) -> tuple[Any, dict[str, Any]]:
     fitted to its native size as a run fits it."""
     import copy
 
-    from app.config import default_eval_resolution
-    from app.data import native
-    from app.data.prepare import tiers_for
     from bench import plain_recipe
+    from lightray.config import default_eval_resolution
+    from lightray.data import native
+    from lightray.data.prepare import tiers_for
 
     sizes = sorted({p.resolution for p in cfg.schedule.phases})
     eval_size = default_eval_resolution(cfg.schedule)
@@ -407,9 +407,9 @@ def plain_side(cfg, arrays: dict[str, Any], targets: list[float], threads: int, 
 
 
 def main_cifar(args: argparse.Namespace, repeats: int) -> int:
-    from app.config import load_config
-    from app.data import native
     from bench import plain_recipe
+    from lightray.config import load_config
+    from lightray.data import native
 
     overrides = cifar_overrides(args.data, args.quick)
     cfg = load_config("cifar10", overrides)
@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--example-epochs={args.example_epochs}: expected a positive integer")
     overrides = quick_overrides() if args.quick else {}
 
-    from app.config import load_config
+    from lightray.config import load_config
 
     demo_cfg = load_config("demo", overrides)
     targets = sorted(args.target if args.target else list(demo_cfg.report.targets))

@@ -35,7 +35,7 @@ def val_source_files(run_dir: pathlib.Path) -> tuple[pathlib.Path, list[str]]:
     """(source root, paths relative to it) of the images in the run's val split, in the shard order."""
     import pyarrow.parquet as pq
 
-    from app.data.manifest import Manifest
+    from lightray.data.manifest import Manifest
 
     data = json.loads((run_dir / "data.json").read_text())
     manifest = Manifest.load(data["manifest"])

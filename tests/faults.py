@@ -111,10 +111,10 @@ def planned_samples(run_dir: pathlib.Path) -> dict[int, list[int]]:
     """Per epoch, the sample ids the epoch plan assigns (in order), from the run's manifest and config."""
     import yaml
 
-    from app.config import config_from_dict
-    from app.data.manifest import Manifest
-    from app.data.plan import EpochPlan
-    from app.schedule import Schedule
+    from lightray.config import config_from_dict
+    from lightray.data.manifest import Manifest
+    from lightray.data.plan import EpochPlan
+    from lightray.schedule import Schedule
 
     cfg = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
     data = json.loads((run_dir / "data.json").read_text())
@@ -299,8 +299,8 @@ def run_schedule(run_dir: pathlib.Path):
     """The run's own Schedule (from its resolved config.yaml and data.json)."""
     import yaml
 
-    from app.config import config_from_dict
-    from app.schedule import Schedule
+    from lightray.config import config_from_dict
+    from lightray.schedule import Schedule
 
     cfg = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
     return Schedule(cfg.schedule, cfg.optim, json.loads((run_dir / "data.json").read_text())["train_samples"])

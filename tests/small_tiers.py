@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import ray
 
-from app.data.demo import generate_demo
-from app.data.ingest import IngestSpec, PhaseSpec, tier_shards
-from app.data.manifest import Manifest
-from app.data.prepare import prepare
+from lightray.data.demo import generate_demo
+from lightray.data.ingest import IngestSpec, PhaseSpec, tier_shards
+from lightray.data.manifest import Manifest
+from lightray.data.prepare import prepare
 
 TIER = 64
 

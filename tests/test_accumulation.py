@@ -25,10 +25,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from app.config import ConfigError, load_config
-from app.data.plan import rank_slice
-from app.train import accumulate
-from app.train.accumulate import MicroPlan, micro_slices, micro_steps_for, plan_phase
+from lightray.config import ConfigError, load_config
+from lightray.data.plan import rank_slice
+from lightray.train import accumulate
+from lightray.train.accumulate import MicroPlan, micro_slices, micro_steps_for, plan_phase
 from tests.worker_context import FolderContext
 
 GLOBAL_BATCH, RES, TRAIN_SIZE, CLASSES = 16, 16, 64, 10  # 4 steps of 16 in the one epoch
@@ -72,9 +72,9 @@ class Context(FolderContext):
 
 def train_run(rank: int, world: int, run_dir: str, overrides: dict) -> tuple[dict, list[dict]]:
     """``Trainer.run`` of one rank in the current process group: its parameters at the end and its records."""
-    from app.data.spec import IngestSpec, PhaseSpec, TierShards
-    from app.schedule import Schedule
-    from app.train.trainer import Trainer
+    from lightray.data.spec import IngestSpec, PhaseSpec, TierShards
+    from lightray.schedule import Schedule
+    from lightray.train.trainer import Trainer
 
     cfg = load_config("smoke", {**OVERRIDES, **overrides})
     sched = Schedule(cfg.schedule, cfg.optim, TRAIN_SIZE)
@@ -207,9 +207,9 @@ def one_rank_group(tmp_path):
 
 
 def make_trainer(run_dir, **overrides):
-    from app.data.spec import IngestSpec, TierShards
-    from app.train.topology import Topology
-    from app.train.trainer import Trainer
+    from lightray.comm.topology import Topology
+    from lightray.data.spec import IngestSpec, TierShards
+    from lightray.train.trainer import Trainer
 
     cfg = load_config("smoke", {**OVERRIDES, **overrides})
     empty = TierShards(32, "raw", [], [], [])
@@ -283,8 +283,8 @@ def test_max_batch_per_device_takes_auto_or_a_count():
 
 
 def test_auto_cap_estimate_follows_resolution_and_leaves_the_model_as_it_was():
-    from app.config import ModelConfig
-    from app.train.model import build_model
+    from lightray.config import ModelConfig
+    from lightray.train.model import build_model
 
     cpu = torch.device("cpu")
     model = build_model(ModelConfig(arch="resnet_tiny"), CLASSES).train()

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from app.config import ConfigError, ModelConfig, load_config
-from app.train import device as dev
-from app.train.model import build_model, check_arch, to_device
+from lightray.config import ConfigError, ModelConfig, load_config
+from lightray.train import device as dev
+from lightray.train.model import build_model, check_arch, to_device
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -8,14 +8,14 @@ import os
 import psutil
 import ray
 
-from app.data import autotune, autotune_cache
 from bench.pipeline import make_source
+from lightray.data import autotune, autotune_cache
 
 
 def _spec(tmp_path):
-    from app.data.ingest import IngestSpec, PhaseSpec, tier_shards
-    from app.data.manifest import Manifest
-    from app.data.prepare import prepare
+    from lightray.data.ingest import IngestSpec, PhaseSpec, tier_shards
+    from lightray.data.manifest import Manifest
+    from lightray.data.prepare import prepare
 
     src = make_source(tmp_path / "src", n_train=96, n_val=12, classes=3, size=(40, 30))
     m = Manifest.load(str(prepare(str(src), str(tmp_path / "cache"), [24], raw_max_resolution=0, shard_rows=32)))

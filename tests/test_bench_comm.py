@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 import bench.comm as bench_comm
-from app.train import comm_auto
 from bench.comm import PROJECTED_MODES, _buckets, _Handed, _overlap, crossover_here, project
+from lightray.comm import auto as comm_auto
 
 
 def test_buckets_cover_every_parameter_once_in_reverse_order_within_the_cap():

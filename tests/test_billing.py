@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 
-from app.config import load_config
-from app.report.summary import _priced
-from app.train.billing import NodeMeter, read_billing
+from lightray.config import load_config
+from lightray.driver.billing import NodeMeter, read_billing
+from lightray.report.summary import _priced
 
 
 def test_every_attempt_is_billed_and_the_bill_adds_up(tmp_path, ray_local):
@@ -43,7 +43,7 @@ def test_two_runs_on_one_cluster_are_not_billed_for_each_other(tmp_path):
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from app.train.billing import job_nodes
+    from lightray.driver.billing import job_nodes
     from tests.faults import NodeCluster
 
     other = ("import sys, time, ray\n"

@@ -33,8 +33,8 @@ def test_the_failing_write_is_placed_on_a_checkpoint_the_run_really_writes():
     """The storage_write_fail target is a checkpoint of the run's step grid, past the step in flight: in the
     full soak of 2026-12-02 a target 32 samples off the grid of a 64-sample phase (800) was never written, so
     the fault did nothing and was counted as not survived."""
-    from app.config import load_config
-    from app.schedule import Schedule
+    from lightray.config import load_config
+    from lightray.schedule import Schedule
     from tests.faults import long_run, steps_for
 
     overrides = {a.split("=", 1)[0].removeprefix("--"): a.split("=", 1)[1] for a in long_run(6)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import textwrap
 
-from app.train.state import list_checkpoints, select_resume
+from lightray.train.state import list_checkpoints, select_resume
 
 ROOT = pathlib.Path(__file__).parents[1]
 
@@ -19,8 +19,8 @@ SCRIPT = textwrap.dedent("""
     import resource, signal, sys, tempfile
     import pyarrow.fs as pafs
     import torch
-    from app.storage import join
-    from app.train.state import checkpoint_name, save_rank_state
+    from lightray.storage import join
+    from lightray.train.state import checkpoint_name, save_rank_state
     run = sys.argv[1]
 
     def copy(src, dst):  # what Ray Train's persist_current_checkpoint does

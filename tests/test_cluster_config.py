@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from app.config import CostConfig
+from lightray.config import CostConfig
 
 HERE = pathlib.Path(__file__).resolve().parent
 

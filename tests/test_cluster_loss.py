@@ -21,8 +21,8 @@ import time
 import psutil
 import pytest
 
-from app.train.cluster_loss import EXIT_CLUSTER_LOST, ClusterWatch, gcs_reachable, resume_command
 from bench.common import stop_processes
+from lightray.driver.cluster_loss import EXIT_CLUSTER_LOST, ClusterWatch, gcs_reachable, resume_command
 from tests.faults import checkpoints, driver, kill_group, last_samples, long_run, wait_for
 
 
@@ -153,7 +153,7 @@ def test_run_on_a_cluster_that_is_stopped_mid_run_fails_in_one_line_with_summary
     # The printed command continues this run: same storage and name, --resume, the run's own flags.
     (resume_line,) = [ln for ln in lines if "continue it from its last checkpoint with:" in ln]
     cmd = shlex.split(resume_line.split("with: ", 1)[1])
-    from app.cli import build_parser, config_from_args
+    from lightray.cli import build_parser, config_from_args
 
     args, rest = build_parser().parse_known_args(cmd[2:])
     cfg = config_from_args(args, rest)
@@ -169,7 +169,7 @@ def test_run_on_a_cluster_that_is_stopped_mid_run_fails_in_one_line_with_summary
 def test_driver_that_ray_ends_when_its_raylet_stops_is_still_reported_in_one_line_with_exit_3(
         tmp_path, shared_cache):
     """The order of a ``ray stop`` in which the driver's own raylet goes first: Ray's core worker ends the driver
-    from C++ at once (exit status 1, not a word), and the guardian process (app/train/driver_guard.py) speaks."""
+    from C++ at once (exit status 1, not a word), and the guardian process (app/driver/guard.py) speaks."""
     name = "lost-raylet"
     # Only the raylet: the GCS still answers, so the driver's ClusterWatch alone would never fire.
     head, proc, out, _ = train_then_stop(tmp_path, shared_cache, name, only="raylet")

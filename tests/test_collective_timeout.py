@@ -11,7 +11,7 @@ import sys
 import textwrap
 import time
 
-from app.config import load_config
+from lightray.config import load_config
 
 ROOT = pathlib.Path(__file__).parents[1]
 
@@ -19,9 +19,9 @@ ROOT = pathlib.Path(__file__).parents[1]
 def test_the_configured_timeout_is_the_trainers_torch_config(tmp_path):
     from ray.train.torch import TorchConfig
 
-    from app.data.spec import IngestSpec, TierShards
-    from app.schedule import Schedule
-    from app.train.runner import _build_trainer
+    from lightray.data.spec import IngestSpec, TierShards
+    from lightray.driver.runner import _build_trainer
+    from lightray.schedule import Schedule
 
     cfg = load_config("smoke", {"scaling.collective_timeout_s": "7", "name": "t", "storage": str(tmp_path)})
     spec = IngestSpec(seed=0, local_dir=str(tmp_path), train_size=64, phases=[],
@@ -78,9 +78,9 @@ def test_a_collective_with_a_hung_peer_fails_within_the_timeout():
 
 
 def test_hierarchical_subgroups_take_the_configured_timeout():
-    from app.config import CommConfig
-    from app.train.comm import CommHook
-    from app.train.topology import Topology
+    from lightray.comm.hook import CommHook
+    from lightray.comm.topology import Topology
+    from lightray.config import CommConfig
 
     topology = Topology(world_size=1, rank=0, local_rank=0, local_world_size=1, node_rank=0, num_nodes=1)
     hook = CommHook(CommConfig(mode="hierarchical_topk"), topology, "cpu", timeout_s=9)
@@ -93,8 +93,8 @@ def test_a_failed_group_waits_seconds_not_half_a_minute_for_a_hung_worker_to_lea
     one to every process Ray starts for it (the controller included), and a value the user set wins."""
     script = textwrap.dedent("""
         import os, ray
-        from app.config import load_config
-        from app.train.runner import connect_ray
+        from lightray.config import load_config
+        from lightray.driver.runner import connect_ray
         connect_ray(load_config("smoke", {"scaling.ray_address": "local", "scaling.ray_num_cpus": "2"}))
         print(ray.get(ray.remote(lambda: os.environ.get("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S")).remote()))
         ray.shutdown()
@@ -112,7 +112,7 @@ def test_every_cluster_lightray_ships_sets_the_short_group_shutdown_wait_on_ever
     """cluster.yaml exports it before each `ray start`, and every Ray container of the k8s manifests has it."""
     import yaml
 
-    from app.train.runner import CLUSTER_ENV
+    from lightray.driver.runner import CLUSTER_ENV
 
     (key, value), = CLUSTER_ENV.items()
     setup = yaml.safe_load((ROOT / "cluster.yaml").read_text())["setup_commands"]

@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from app.config import CommConfig, ConfigError, load_config
-from app.train import comm_auto
-from app.train.comm import AUTO_MEASURE_STEPS, CommHook, allgather_bytes, ring_allreduce_bytes
-from app.train.device import pop_unit_events
-from app.train.state import load_rank_state, save_rank_state
-from app.train.topology import Topology, build_groups
+from lightray.comm import auto as comm_auto
+from lightray.comm.hook import AUTO_MEASURE_STEPS, CommHook, allgather_bytes, ring_allreduce_bytes
+from lightray.comm.topology import Topology, build_groups
+from lightray.config import CommConfig, ConfigError, load_config
+from lightray.train.device import pop_unit_events
+from lightray.train.state import load_rank_state, save_rank_state
 
 WORLD = 4
 PER_NODE = 2

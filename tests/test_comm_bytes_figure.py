@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from app.train import comm_auto
-from app.train.compress import INDEX_BLOCK
 from bench.comm import inter_node_bytes_figure
+from lightray.comm import auto as comm_auto
+from lightray.comm.compress import INDEX_BLOCK
 
 N_RESNET50 = 25_557_032
 

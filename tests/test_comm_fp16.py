@@ -21,9 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from app.config import CommConfig
-from app.train.comm import CommHook
-from app.train.topology import Topology
+from lightray.comm.hook import CommHook
+from lightray.comm.topology import Topology
+from lightray.config import CommConfig
 from tests.comm_net import batch, spawn_ranks, three_bucket_model
 
 WORLD = 2

@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.config import CommConfig
-from app.train.comm import CommHook
-from app.train.compress import MIN_SAMPLED, payload_nbytes
-from app.train.topology import Topology
+from lightray.comm.compress import MIN_SAMPLED, payload_nbytes
+from lightray.comm.hook import CommHook
+from lightray.comm.topology import Topology
+from lightray.config import CommConfig
 
 META = torch.device("meta")
 LAYOUT = [("w", MIN_SAMPLED + 7_000), ("b", MIN_SAMPLED // 2)]  # the first passes MIN_SAMPLED, so sampling runs

@@ -21,10 +21,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from app.config import CommConfig
-from app.train.comm import CommHook
-from app.train.state import load_rank_state, save_rank_state
-from app.train.topology import Topology
+from lightray.comm.hook import CommHook
+from lightray.comm.topology import Topology
+from lightray.config import CommConfig
+from lightray.train.state import load_rank_state, save_rank_state
 from tests.comm_net import batch, spawn_ranks, three_bucket_model
 from tests.devices import lazy_device
 

@@ -12,10 +12,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from app.config import CommConfig
-from app.train.comm import CommHook
-from app.train.compress import FP16_MAX, INDEX_BLOCK, index_blocks, pack, payload_nbytes, quantize, scatter_sum, unpack
-from app.train.topology import Topology
+from lightray.comm.compress import (
+    FP16_MAX,
+    INDEX_BLOCK,
+    index_blocks,
+    pack,
+    payload_nbytes,
+    quantize,
+    scatter_sum,
+    unpack,
+)
+from lightray.comm.hook import CommHook
+from lightray.comm.topology import Topology
+from lightray.config import CommConfig
 
 N = 3 * INDEX_BLOCK + 123  # four index blocks, the last one partial
 FP16_EPS = 2.0 ** -11  # fp16's relative rounding error (10 stored mantissa bits)

@@ -3,8 +3,8 @@ import sys
 
 import pytest
 
-from app.cli import parse_overrides
-from app.config import ConfigError, load_config
+from lightray.cli import parse_overrides
+from lightray.config import ConfigError, load_config
 
 RUN = [sys.executable, "app/run.py"]
 
@@ -107,7 +107,7 @@ def test_recipe_from_a_yaml_path(tmp_path):
 def test_help_documents_every_flag():
     proc = run_cli("--help")
     assert proc.returncode == 0
-    from app.cli import build_parser
+    from lightray.cli import build_parser
 
     for action in build_parser()._actions:
         for flag in action.option_strings:

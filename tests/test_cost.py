@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from app.config import ConfigError, CostConfig, load_config
-from app.report.cost import estimate_cost, validate_cost
+from lightray.config import ConfigError, CostConfig, load_config
+from lightray.report.cost import estimate_cost, validate_cost
 
 
 def _cfg(**kw) -> CostConfig:

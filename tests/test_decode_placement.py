@@ -12,10 +12,10 @@ import pytest
 import ray
 import torch
 
-from app.data import autotune
-from app.data.autotune import data_cores_per_gpu, estimate_decode, pick_decode
-from app.data.ingest import plan_decode
-from app.data.manifest import Manifest
+from lightray.data import autotune
+from lightray.data.autotune import data_cores_per_gpu, estimate_decode, pick_decode
+from lightray.data.ingest import plan_decode
+from lightray.data.manifest import Manifest
 from tests.small_tiers import one_phase_spec, prepared_tier
 
 RES = 48

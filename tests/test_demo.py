@@ -3,7 +3,7 @@ import pathlib
 
 from PIL import Image
 
-from app.data.demo import SHAPES, generate_demo
+from lightray.data.demo import SHAPES, generate_demo
 
 
 def digest(root: pathlib.Path) -> dict[str, str]:

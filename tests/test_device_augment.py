@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from app.data import augment
-from app.data.ingest import IngestSpec, phase_blocks, plan_augmentation, train_block_batch
-from app.data.manifest import Manifest
-from app.data.plan import EpochPlan
-from app.train import device as dev
+from lightray.data import augment
+from lightray.data.ingest import IngestSpec, phase_blocks, plan_augmentation, train_block_batch
+from lightray.data.manifest import Manifest
+from lightray.data.plan import EpochPlan
+from lightray.train import device as dev
 from tests.small_tiers import one_phase_spec, prepared_tier
 
 ROOT = pathlib.Path(__file__).parents[1]

@@ -15,11 +15,11 @@ import pytest
 import torch
 from PIL import Image
 
-from app.data import augment, autotune, device_decode
-from app.data.ingest import IngestSpec, PhaseSpec, phase_blocks, plan_augmentation, tier_shards, train_block_batch
-from app.data.manifest import Manifest
-from app.data.prepare import prepare
-from app.train import device as dev
+from lightray.data import augment, autotune, device_decode
+from lightray.data.ingest import IngestSpec, PhaseSpec, phase_blocks, plan_augmentation, tier_shards, train_block_batch
+from lightray.data.manifest import Manifest
+from lightray.data.prepare import prepare
+from lightray.train import device as dev
 
 TIER = 64  # the prepared tier's short side; the end-to-end test's panoramas are 64 x 440
 RES = 48
@@ -178,7 +178,7 @@ def test_device_augment_canvas_with_panoramas_stays_small_and_crops_match(panora
 
 
 def tier_rows(spec: IngestSpec, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-    from app.data.plan import EpochPlan
+    from lightray.data.plan import EpochPlan
 
     plan = EpochPlan(spec.phases[0].shards.rows, spec.seed)
     return plan.to_shard_row(plan.order(epoch))

@@ -13,10 +13,10 @@ import pytest
 import torch
 from PIL import Image
 
-from app.data import augment, device_decode
-from app.data.ingest import IngestSpec, PhaseSpec, phase_blocks, plan_decode, tier_shards, train_block_batch
-from app.data.manifest import Manifest
-from app.train import device as dev
+from lightray.data import augment, device_decode
+from lightray.data.ingest import IngestSpec, PhaseSpec, phase_blocks, plan_decode, tier_shards, train_block_batch
+from lightray.data.manifest import Manifest
+from lightray.train import device as dev
 from tests.small_tiers import one_phase_spec, prepared_tier
 
 RES = 48  # output size; the stored JPEG tier is 64 px short side, so crops both shrink and grow
@@ -105,7 +105,7 @@ def test_decode_on_auto_keeps_the_cpu_path_on_cpu_workers_and_says_why(jpeg_mani
 
 
 def test_cpu_decode_rate_times_the_cpu_path_on_a_sample_of_the_tier(jpeg_manifest, tmp_path):
-    from app.data import autotune
+    from lightray.data import autotune
 
     spec = make_spec(jpeg_manifest, str(tmp_path / "local"), "cpu", cuda=False)
     sample = autotune.sample_encoded(spec, 0, n=8)

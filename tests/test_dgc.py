@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from app.config import CommConfig
-from app.train import compress
-from app.train.comm import CommHook, allgather_bytes
-from app.train.dgc import warmup_ratio
-from app.train.topology import Topology
+from lightray.comm import compress
+from lightray.comm.dgc import warmup_ratio
+from lightray.comm.hook import CommHook, allgather_bytes
+from lightray.comm.topology import Topology
+from lightray.config import CommConfig
 
 WORLD = 4
 PER_NODE = 2

@@ -1,4 +1,4 @@
-"""The driver's guardian (app/train/driver_guard.py) with real processes: a program forks its driver through
+"""The driver's guardian (app/driver/guard.py) with real processes: a program forks its driver through
 ``driver_guard.guard()``, the driver tells the guardian its run and then ends the way Ray, a signal or Python
 would end it. The "cluster" is a TCP port this test listens on, standing for the GCS the guardian probes; the
 real Ray case (a head whose raylet stops first) is in tests/test_cluster_loss.py."""
@@ -18,24 +18,24 @@ import time
 import psutil
 import pytest
 
-from app.train.cluster_loss import EXIT_CLUSTER_LOST
-from app.train.run_lock import LOCK_NAME
+from lightray.driver.cluster_loss import EXIT_CLUSTER_LOST
+from lightray.driver.run_lock import LOCK_NAME
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 PROGRAM = textwrap.dedent("""
     import json, os, pathlib, signal, sys, time
     sys.path.insert(0, {root!r})
-    from app.train import driver_guard
-    from app.train.cluster_loss import gcs_reachable
+    from lightray.driver import guard as driver_guard
+    from lightray.driver.cluster_loss import gcs_reachable
 
     driver_guard.SETTLE_S = driver_guard.PYTHON_SETTLE_S = 1.0
     mode, storage, gcs = sys.argv[1:4]
     status = driver_guard.guard()
     if status is not None:  # the guardian
         sys.exit(status)
-    from app.config import load_config
-    from app.train.run_lock import RunLock
+    from lightray.config import load_config
+    from lightray.driver.run_lock import RunLock
 
     cfg = load_config("smoke", {{"name": "g", "storage": storage}})
     run_dir = os.path.join(storage, "g")

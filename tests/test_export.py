@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from app.config import ModelConfig, load_config
-from app.train.export import ModelExporter, read_model_json, state_from_bytes, write_weights
-from app.train.model import build_model
+from lightray.config import ModelConfig, load_config
+from lightray.train.export import ModelExporter, read_model_json, state_from_bytes, write_weights
+from lightray.train.model import build_model
 from tests.exported_run import TIMM_ARCH, exported_run
 
 
@@ -101,8 +101,8 @@ def test_failed_export_write_is_logged_and_training_goes_on(tmp_path, caplog):
 
 def test_export_writes_to_s3(s3_storage):
     """A local S3 API server (moto) through pyarrow's S3FileSystem: the weights and model.json round-trip."""
-    from app import storage
-    from app.train.export import describe
+    from lightray import storage
+    from lightray.train.export import describe
 
     cfg = load_config("smoke")
     model = build_model(cfg.model, 3)

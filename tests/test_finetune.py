@@ -15,13 +15,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from app.config import ConfigError, ModelConfig, load_config
-from app.data import augment, images
-from app.data.demo import generate_demo
-from app.train import device as dev
-from app.train.export import describe, write_weights
-from app.train.finetune import HeadWarmup
-from app.train.model import build_model
+from lightray.config import ConfigError, ModelConfig, load_config
+from lightray.data import augment, images
+from lightray.data.demo import generate_demo
+from lightray.train import device as dev
+from lightray.train.export import describe, write_weights
+from lightray.train.finetune import HeadWarmup
+from lightray.train.model import build_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -84,8 +84,8 @@ def test_missing_pretrained_file_exits_2_with_one_line():
 
 
 def test_hub_name_without_network_is_a_clear_error():
-    code = ("from app.train.finetune import load_pretrained\nfrom app.train.model import build_model\n"
-            "from app.config import ModelConfig\n"
+    code = ("from lightray.train.finetune import load_pretrained\nfrom lightray.train.model import build_model\n"
+            "from lightray.config import ModelConfig\n"
             "load_pretrained(build_model(ModelConfig(arch='timm:resnet10t'), 4), 'timm:resnet10t')")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})  # offline, whatever this machine can reach

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from app.startup import breakdown
 from bench.footprint import KINDS, classify
+from lightray.startup import breakdown
 
 ROOT = pathlib.Path(__file__).parents[1]
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from app.train.fusion import (
+from lightray.comm.fusion import (
     MB,
     TORCH_DEFAULT_MB,
     choose_bucket_mb,

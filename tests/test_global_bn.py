@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from app.config import ModelConfig, OptimConfig
-from app.data.plan import rank_slice
-from app.train.global_bn import GlobalBatchNorm2d, convert_to_global_bn
-from app.train.model import build_model
-from app.train.optim import build_loss, build_optimizer, set_lr_momentum
-from app.train.trainer import loss_scale
+from lightray.comm.global_bn import GlobalBatchNorm2d, convert_to_global_bn
+from lightray.config import ModelConfig, OptimConfig
+from lightray.data.plan import rank_slice
+from lightray.train.model import build_model
+from lightray.train.optim import build_loss, build_optimizer, set_lr_momentum
+from lightray.train.trainer import loss_scale
 
 BATCH, CLASSES, RES, STEPS = 10, 5, 16, 4  # a batch of 10 splits unevenly over 3 workers (4/3/3)
 TOL = 1e-4

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from app.config import load_config
-from app.train import device as dev
+from lightray.config import load_config
+from lightray.train import device as dev
 from tests.test_step_sync import batches, make_trainer, one_rank_group  # noqa: F401 (a fixture)
 
 COMPILE_ON_CPU = {"model.precision": "bf16", "model.compile": True, "model.compile_on_cpu": True}
@@ -47,7 +47,7 @@ def _records(run_dir) -> list[dict]:
 
 
 def test_smoke_run_bf16_compiled_with_device_augment_and_decode_on_cpu(tmp_path, ray_local, smoke_overrides):
-    from app.train.runner import run_training
+    from lightray.driver.runner import run_training
 
     over = {**smoke_overrides, **COMPILE_ON_CPU, "storage": str(tmp_path), "name": "gpushaped",
             "scaling.workers": "1", "report.eval_sweep": [], "report.tensorboard": False,
@@ -119,7 +119,7 @@ class _GlobalBNNet(torch.nn.Module):
     def __init__(self) -> None:
         from torch import nn
 
-        from app.train.global_bn import GlobalBatchNorm2d
+        from lightray.comm.global_bn import GlobalBatchNorm2d
 
         super().__init__()
         self.conv1, self.bn1 = nn.Conv2d(3, 8, 3), GlobalBatchNorm2d(8)

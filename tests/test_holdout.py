@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app.data.source import DEFAULT_VAL_FRACTION, DataError, list_imagefolder, run_val_fraction
+from lightray.data.source import DEFAULT_VAL_FRACTION, DataError, list_imagefolder, run_val_fraction
 
 ROOT = pathlib.Path(__file__).parents[1]
 
@@ -88,8 +88,8 @@ def test_train_only_imagefolder_trains_through_a_smoke_run(tmp_path):
 
 # --- container sources: Parquet rows (stratified, by row path) and WebDataset keys (per row, by key path) -------
 def test_parquet_holdout_is_stratified_disjoint_seeded_and_keyed(tmp_path):
-    from app.data.sources import list_source
-    from app.data.sources_parquet import plan_units
+    from lightray.data.sources import list_source
+    from lightray.data.sources_parquet import plan_units
     from tests.test_source_order import make_hf_parquet
 
     make_hf_parquet(tmp_path / "pq", per_class=40, sort=True, files=2, val_per_class=0)
@@ -108,7 +108,7 @@ def test_parquet_holdout_is_stratified_disjoint_seeded_and_keyed(tmp_path):
 
 
 def test_parquet_holdout_with_a_validation_split_is_an_error_only_when_asked_for(tmp_path):
-    from app.data.sources import list_source
+    from lightray.data.sources import list_source
     from tests.test_source_order import make_hf_parquet
 
     make_hf_parquet(tmp_path / "pq", per_class=10, sort=False)
@@ -121,8 +121,8 @@ def test_parquet_holdout_with_a_validation_split_is_an_error_only_when_asked_for
 def test_webdataset_holdout_takes_each_key_to_one_side(tmp_path, ray_local):
     import pyarrow.parquet as pq
 
-    from app.data.manifest import Manifest
-    from app.data.prepare import prepare
+    from lightray.data.manifest import Manifest
+    from lightray.data.prepare import prepare
     from tests.test_sources import make_webdataset
 
     make_webdataset(tmp_path / "wds", per_tar=40)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app.data.images import BadImage, decode, decode_rgb, encode, resize_short
+from lightray.data.images import BadImage, decode, decode_rgb, encode, resize_short
 
 
 def _bytes(img: Image.Image, fmt: str, **kw) -> bytes:

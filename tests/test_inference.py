@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app.cli import main
-from app.inference import EvalTransform, evaluate_folder, predict
+from lightray.cli import main
+from lightray.inference import EvalTransform, evaluate_folder, predict
 from tests.exported_run import ROOT, exported_run, val_source_files
 
 
@@ -92,7 +92,7 @@ def test_load_model_classifies_one_image_in_five_lines(run_dir):
     path = str(root / rel[0])
     code = f"""
 import sys, torch
-from app import load_model
+from lightray import load_model
 model, transform = load_model({str(run_dir)!r})
 probs = model(transform({path!r})[None]).softmax(1)[0]
 print(model.classes[int(probs.argmax())], float(probs.max()), 'ray' in sys.modules)

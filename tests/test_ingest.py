@@ -15,9 +15,10 @@ import torch
 import torch.nn as nn
 from PIL import Image
 
-from app.config import load_config
-from app.data import augment, autotune, shard_cache
-from app.data.ingest import (
+from bench.pipeline import make_source
+from lightray.config import load_config
+from lightray.data import augment, autotune, shard_cache
+from lightray.data.ingest import (
     IngestSpec,
     PhaseSpec,
     PlanDataConfig,
@@ -29,10 +30,9 @@ from app.data.ingest import (
     val_block_batch,
     val_dataset,
 )
-from app.data.manifest import Manifest
-from app.data.prepare import prepare
-from app.train.evaluate import evaluate
-from bench.pipeline import make_source
+from lightray.data.manifest import Manifest
+from lightray.data.prepare import prepare
+from lightray.train.evaluate import evaluate
 
 TIERS = [16, 24]  # 16 stored raw, 24 as JPEG
 
@@ -145,7 +145,7 @@ class TinyNet(nn.Module):
 
 def per_image_counts(model: nn.Module, manifest: Manifest, tier: int, resize) -> tuple[int, int, int]:
     """(n, top-1 hits, top-5 hits) scoring one image at a time, read straight from the Parquet shards."""
-    from app.train import device as dev
+    from lightray.train import device as dev
 
     n = top1 = top5 = 0
     for shard in manifest.shards("val", tier):

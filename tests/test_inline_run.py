@@ -8,8 +8,8 @@ import pathlib
 
 import pytest
 
-from app.config import ConfigError, load_config
-from app.train.state import list_checkpoints
+from lightray.config import ConfigError, load_config
+from lightray.train.state import list_checkpoints
 
 
 def _validations(run_dir: pathlib.Path) -> list[dict]:
@@ -19,7 +19,7 @@ def _validations(run_dir: pathlib.Path) -> list[dict]:
 
 def test_inline_run_trains_what_a_worker_group_trains_and_resumes_from_its_own_checkpoints(
         tmp_path, ray_local, smoke_overrides):
-    from app.train.runner import run_training
+    from lightray.driver.runner import run_training
 
     over = {**smoke_overrides, "storage": str(tmp_path), "scaling.workers": "1", "report.eval_sweep": [],
             "report.tensorboard": False, "schedule.epochs": 3, "checkpoint.keep": 2}
@@ -52,7 +52,7 @@ def test_inline_run_trains_what_a_worker_group_trains_and_resumes_from_its_own_c
 
 
 def test_inline_run_refuses_more_than_one_worker(tmp_path, ray_local, smoke_overrides):
-    from app.train.runner import run_training
+    from lightray.driver.runner import run_training
 
     cfg = load_config("smoke", {**smoke_overrides, "storage": str(tmp_path), "name": "two"})  # smoke: 2 workers
     with pytest.raises(ConfigError, match="scaling.workers.*expected exactly 1"):

@@ -41,7 +41,7 @@ def job() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def prices() -> dict[str, float]:
-    from app.config import CostConfig
+    from lightray.config import CostConfig
 
     return CostConfig().price_per_hour
 
@@ -246,9 +246,9 @@ def _entry(job: dict[str, Any], old: str, new: str) -> dict[str, Any]:
 
 
 BROKEN_JOB = {
-    "a `train` subcommand": (lambda j: _entry(j, "lightray --config", "lightray train --config"),
-                             "train: unknown argument"),
-    "the checkout's run.py": (lambda j: _entry(j, "lightray --config", "python app/run.py --config"),
+    "another subcommand": (lambda j: _entry(j, "lightray train --config", "lightray tune --config"),
+                           "runs `lightray tune`; expected `lightray train`"),
+    "the checkout's run.py": (lambda j: _entry(j, "lightray train --config", "python app/run.py --config"),
                               "expected the installed console script ['lightray']"),
     "a flag lightray lacks": (lambda j: _entry(j, "--resume", "--resume --epochs 3"), "--epochs: unknown argument"),
     "no --resume": (lambda j: _entry(j, " --resume", ""), "needs --resume and a fixed --name"),
@@ -291,7 +291,7 @@ def test_dockerfile_parses_into_two_stages_on_rays_gpu_image():
     run = [i for i in st[-1]["instructions"] if i["cmd"] == "RUN"]
     assert len(run) == 1 and run[0]["flags"][0].startswith("--mount=type=bind,from=wheel")
     assert "pip install" in run[0]["args"] and "python -c" in run[0]["args"]
-    assert checks.copy_sources(st) == ["pyproject.toml", "README.md", "app", "bench"]
+    assert checks.copy_sources(st) == ["pyproject.toml", "README.md", "app", "tune_spaces"]
 
 
 def test_dockerfile_parser_reads_continuations_comments_and_the_exec_form():
@@ -379,7 +379,7 @@ def test_wheel_stage_builds_lightray_from_the_copied_sources_alone(tmp_path):
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         entry_points = next(zf.read(n).decode() for n in names if n.endswith("entry_points.txt"))
-    assert {"app/recipes/imagenet-rn50-dawnbench.yaml", "app/train/spot_watcher.py", "app/cli.py"} <= names
+    assert {"app/recipes/imagenet-rn50-dawnbench.yaml", "app/driver/spot_watcher.py", "app/cli.py"} <= names
     assert re.search(r"^lightray = app\.cli:console$", entry_points, re.M), entry_points
 
 
@@ -475,8 +475,8 @@ def test_prestop_hook_drains_its_node_for_preemption_and_waits_for_its_gpus(ray_
 @pytest.mark.slow
 def test_first_submission_with_resume_starts_the_run(tmp_path):
     """The RayJob always passes --resume: on a name with nothing in storage yet, that starts a fresh run."""
-    from app.config import load_config
-    from app.train.runner import _open_run_dir, resolve_run
+    from lightray.config import load_config
+    from lightray.driver.runner import _open_run_dir, resolve_run
 
     cfg = load_config("smoke", {"storage": str(tmp_path), "name": "rn50-k8s-1"})
     resolve_run(cfg, resume=True)

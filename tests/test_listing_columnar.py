@@ -9,7 +9,7 @@ import pathlib
 
 from PIL import Image
 
-from app.data.source import SPLIT_SCHEMA, SourceEntry, SplitTable, list_imagefolder
+from lightray.data.source import SPLIT_SCHEMA, SourceEntry, SplitTable, list_imagefolder
 
 
 def _tree(root: pathlib.Path, spec: dict[str, dict[str, int]]) -> pathlib.Path:
@@ -88,7 +88,7 @@ def test_split_table_indexes_slices_and_compares_like_the_list_it_replaced():
 
 
 def test_shard_plan_carries_row_ranges_and_each_shard_reads_back_its_listing_rows(tmp_path):
-    from app.data.prepare import _plan_cache, _plan_shards, unit_rows
+    from lightray.data.prepare import _plan_cache, _plan_shards, unit_rows
 
     root = _tree(tmp_path / "ds", {"train": {"a": 9, "b": 8}, "val": {"a": 3}})
     listing = list_imagefolder(str(root))

@@ -18,9 +18,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from app.config import ConfigError, load_config
-from app.data import shard_cache
-from app.data.ingest import IngestSpec, PhaseSpec, TierShards, phase_blocks, train_block_batch
+from lightray.config import ConfigError, load_config
+from lightray.data import shard_cache
+from lightray.data.ingest import IngestSpec, PhaseSpec, TierShards, phase_blocks, train_block_batch
 
 SIDE = 32  # raw rows of SIDE x SIDE x 3 random pixels: incompressible, so a shard's size is predictable
 ROWS = 8
@@ -58,7 +58,7 @@ def cached(local: pathlib.Path) -> dict[str, int]:
 
 
 def test_least_recently_used_copies_are_evicted_first_and_a_use_refreshes_recency(shards, tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="app.data.shard_cache")
+    caplog.set_level(logging.INFO, logger="lightray.data.shard_cache")
     local = tmp_path / "nvme"
     a, b, c, d = shards[:4]
     budget = int(2.5 * a["bytes"])  # room for two copies
@@ -86,7 +86,7 @@ def test_no_budget_keeps_every_copy(shards, tmp_path):
 
 
 def test_a_shard_larger_than_the_budget_is_still_copied_with_a_warning(shards, tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="app.data.shard_cache")
+    caplog.set_level(logging.INFO, logger="lightray.data.shard_cache")
     local = tmp_path / "nvme"
     small = shards[0]
     big = write_shard(tmp_path / "shared" / "train-32-big.parquet", 99, rows=4 * ROWS)

@@ -16,12 +16,12 @@ import torch.distributed as dist
 from PIL import Image, ImageDraw
 from torch import nn
 
-from app.config import ConfigError, ModelConfig, OptimConfig
-from app.schedule import Schedule
-from app.train import device as dev
-from app.train.ema import ModelEMA
-from app.train.model import build_model, residual_last_bns, to_device, unwrap_model
-from app.train.optim import build_loss, build_optimizer, set_lr_momentum
+from lightray.config import ConfigError, ModelConfig, OptimConfig
+from lightray.schedule import Schedule
+from lightray.train import device as dev
+from lightray.train.ema import ModelEMA
+from lightray.train.model import build_model, residual_last_bns, to_device, unwrap_model
+from lightray.train.optim import build_loss, build_optimizer, set_lr_momentum
 
 CPU = torch.device("cpu")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -198,7 +198,7 @@ def test_tiny_resnet_learns_ten_shapes_above_80_percent():
     x_val, y_val = shapes(30, seed=2)
     mcfg = ModelConfig(arch="resnet_tiny")
     ocfg = OptimConfig(lr_per_256=0.4, weight_decay=5e-5, label_smoothing=0.1)
-    from app.config import Phase, ScheduleConfig
+    from lightray.config import Phase, ScheduleConfig
 
     batch = 64
     sched = Schedule(ScheduleConfig(epochs=6, warmup_epochs=1, decay="linear", phases=[Phase(6, 32, batch)]),

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from app.train.spot_watcher import drain_node_for_preemption
+from lightray.driver.spot_watcher import drain_node_for_preemption
 from tests.faults import (
     NodeCluster,
     carried_samples,

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app.config import ConfigError, load_config
-from app.data import native
-from app.data.manifest import Manifest
-from app.data.prepare import prepare, prepare_main
-from app.data.sources import list_source
+from lightray.config import ConfigError, load_config
+from lightray.data import native
+from lightray.data.manifest import Manifest
+from lightray.data.prepare import prepare, prepare_main
+from lightray.data.sources import list_source
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -85,7 +85,7 @@ def test_the_probe_finds_the_native_size_of_each_source_kind(tmp_path):
 
 
 def prepare_probe(root: pathlib.Path) -> int | None:
-    from app.data.prepare import probe_native
+    from lightray.data.prepare import probe_native
 
     return probe_native(list_source(str(root)))
 

@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.config import ModelConfig, OptimConfig
-from app.train.device import pop_unit_events
-from app.train.ema import ModelEMA, maybe_ema
-from app.train.model import build_model
-from app.train.optim import (
+from lightray.config import ModelConfig, OptimConfig
+from lightray.train.device import pop_unit_events
+from lightray.train.ema import ModelEMA, maybe_ema
+from lightray.train.model import build_model
+from lightray.train.optim import (
     build_loss,
     build_optimizer,
     clip_gradients,

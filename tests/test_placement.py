@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from app.config import ConfigError
-from app.train import placement
+from lightray.config import ConfigError
+from lightray.driver import placement
 
 ROOT = pathlib.Path(__file__).parents[1]
 

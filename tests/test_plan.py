@@ -1,6 +1,6 @@
 import numpy as np
 
-from app.data.plan import EpochPlan, rank_slice
+from lightray.data.plan import EpochPlan, rank_slice
 
 
 def test_each_epoch_is_a_permutation_and_epochs_differ():
@@ -43,9 +43,9 @@ def test_prepared_shards_mix_classes(tmp_path, ray_local):
     """The plan reads shard by shard, so each shard must hold a mix of classes, not a run of one class."""
     import pyarrow.parquet as pq
 
-    from app.data.demo import generate_demo
-    from app.data.manifest import Manifest
-    from app.data.prepare import prepare
+    from lightray.data.demo import generate_demo
+    from lightray.data.manifest import Manifest
+    from lightray.data.prepare import prepare
 
     src = generate_demo(tmp_path / "src", seed=0, num_classes=4, train_per_class=40, val_per_class=4)
     man = Manifest.load(str(prepare(str(src), str(tmp_path / "cache"), [32], shard_rows=40)))

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import ray
 
-from app.data.ingest import IngestSpec, PhaseSpec, PlanDataConfig, make_blocks_dataset, phase_blocks, tier_shards
-from app.data.manifest import Manifest
-from app.data.plan import EpochPlan, rank_slice
-from app.data.prepare import prepare
 from bench.pipeline import make_source
+from lightray.data.ingest import IngestSpec, PhaseSpec, PlanDataConfig, make_blocks_dataset, phase_blocks, tier_shards
+from lightray.data.manifest import Manifest
+from lightray.data.plan import EpochPlan, rank_slice
+from lightray.data.prepare import prepare
 
 BATCH = 21  # uneven across 2 and 3 workers on purpose; 100 samples -> 4 steps, a tail of 16 left out
 EPOCHS = 2

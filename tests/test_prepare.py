@@ -17,10 +17,10 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from app.config import Config, Phase
-from app.data.manifest import Manifest, find_manifest
-from app.data.prepare import PROGRESS_DIR, prepare, prepare_main, tiers_for
-from app.data.source import DataError, list_imagefolder
+from lightray.config import Config, Phase
+from lightray.data.manifest import Manifest, find_manifest
+from lightray.data.prepare import PROGRESS_DIR, prepare, prepare_main, tiers_for
+from lightray.data.source import DataError, list_imagefolder
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CLASSES = ("ant", "bee", "cow")
@@ -125,7 +125,7 @@ def test_interrupted_prepare_keeps_finished_shards_and_completes_the_rest(tmp_pa
     script = textwrap.dedent(f"""
         import os, signal, ray
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-        from app.data.prepare import prepare
+        from lightray.data.prepare import prepare
         def die(done, total):
             if done >= 2:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -265,7 +265,7 @@ def test_prepare_main_builds_the_demo_at_the_schedule_resolutions(tmp_path, ray_
     assert tiers_for(cfg) == [32, 48, 56]
     # Make the demo tree in a separate process first: forking from a process running Ray is unsafe, and
     # ensure_demo uses a process pool; prepare_main then finds the finished tree.
-    gen = ("import sys; from app.config import Config; from app.data.demo import ensure_demo; c = Config(); "
+    gen = ("import sys; from lightray.config import Config; from lightray.data.demo import ensure_demo; c = Config(); "
            "c.data.demo_classes, c.data.demo_train_per_class, c.data.demo_val_per_class = 2, 3, 1; "
            "ensure_demo(sys.argv[1], c.data)")
     subprocess.run([sys.executable, "-c", gen, cfg.data.cache_dir], cwd=REPO, check=True,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app.report.progress import ProgressPrinter, fmt_duration, quiet_ray_logging
+from lightray.report.progress import ProgressPrinter, fmt_duration, quiet_ray_logging
 
 T0 = 1_700_000_000.0
 

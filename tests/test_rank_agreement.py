@@ -73,10 +73,10 @@ class Context(FolderContext):
 def rank_main(rank: int, store: str, run_dir: str, overrides: dict, roles: dict, out: str) -> None:
     import torch.distributed as dist
 
-    from app.config import load_config
-    from app.data.ingest import IngestSpec, PhaseSpec, TierShards
-    from app.schedule import Schedule
-    from app.train.trainer import PreemptedError, Trainer
+    from lightray.config import load_config
+    from lightray.data.ingest import IngestSpec, PhaseSpec, TierShards
+    from lightray.schedule import Schedule
+    from lightray.train.trainer import PreemptedError, Trainer
 
     result = {"rank": rank}
     try:

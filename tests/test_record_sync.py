@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from app import storage
-from app.report.record_sync import RecordSync, pull
-from app.report.tensorboard_log import TBLogger
+from lightray import storage
+from lightray.report.record_sync import RecordSync, pull
+from lightray.report.tensorboard_log import TBLogger
 from tests.conftest import S3_ENV
 from tests.test_report import REPO, T0, train_line, write_run
 
@@ -106,7 +106,7 @@ def test_report_of_a_run_on_s3_is_written_back_beside_its_records(s3_storage, tm
 
 
 def test_report_of_an_empty_uri_names_it(s3_storage) -> None:
-    from app.cli import write_reports
+    from lightray.cli import write_reports
 
     uri = storage.join(s3_storage, "no-such-run")
     with pytest.raises(FileNotFoundError, match="no-such-run.*expected a run folder"):

@@ -17,12 +17,12 @@ import pytest
 import yaml
 from PIL import Image
 
-from app.config import Config
-from app.report.markdown import make_report
-from app.report.mlflow_log import MissingExtraError, flatten_params, log_run
-from app.report.plots import ReportError
-from app.report.progress import print_summary_table
-from app.report.tensorboard_log import TBLogger, read_scalars
+from lightray.config import Config
+from lightray.report.markdown import make_report
+from lightray.report.mlflow_log import MissingExtraError, flatten_params, log_run
+from lightray.report.plots import ReportError
+from lightray.report.progress import print_summary_table
+from lightray.report.tensorboard_log import TBLogger, read_scalars
 
 REPO = Path(__file__).resolve().parents[1]
 T0 = 1_700_000_000.0

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from app import storage
-from app.train.run_lock import LOCK_NAME, RunLock, RunLockedError, read_holder
+from lightray import storage
+from lightray.driver.run_lock import LOCK_NAME, RunLock, RunLockedError, read_holder
 from tests.conftest import S3_ENV
 
 ROOT = pathlib.Path(__file__).parents[1]
@@ -24,7 +24,7 @@ def _holder_process(run_dir: pathlib.Path) -> subprocess.Popen:
     """A real process that takes the run lock and then sleeps (until killed)."""
     script = textwrap.dedent(f"""
         import time
-        from app.train.run_lock import RunLock
+        from lightray.driver.run_lock import RunLock
         RunLock({str(run_dir)!r}, heartbeat_s=0.5).acquire()
         print("locked", flush=True)
         time.sleep(600)

@@ -18,15 +18,15 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
-from app import storage
-from app.data import shard_cache
-from app.data.ingest import IngestSpec, PhaseSpec, phase_blocks, tier_shards, train_block_batch
-from app.data.manifest import Manifest
-from app.data.prepare import prepare
-from app.data.source import detect_kind, list_imagefolder
-from app.data.sources_rows import ROW_BITS
 from bench.pipeline import make_source
 from bench.prepare_scale import start_ray
+from lightray import storage
+from lightray.data import shard_cache
+from lightray.data.ingest import IngestSpec, PhaseSpec, phase_blocks, tier_shards, train_block_batch
+from lightray.data.manifest import Manifest
+from lightray.data.prepare import prepare
+from lightray.data.source import detect_kind, list_imagefolder
+from lightray.data.sources_rows import ROW_BITS
 from tests.conftest import S3_ENV
 from tests.test_sources import check_cache, make_parquet
 

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from app import storage
-from app.train.state import list_checkpoints
+from lightray import storage
+from lightray.train.state import list_checkpoints
 from tests.conftest import S3_ENV
 from tests.faults import driver, finish, kill_group, long_run, wait_for
 

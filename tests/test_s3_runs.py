@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from app import storage
-from app.train.state import list_checkpoints, validate_checkpoint
+from lightray import storage
+from lightray.train.state import list_checkpoints, validate_checkpoint
 from tests.conftest import S3_ENV
 from tests.faults import ROOT, driver, finish
 
@@ -26,8 +26,8 @@ def test_join_keeps_the_query_string_of_a_uri_at_its_end():
 def test_resume_without_a_name_finds_the_newest_run_on_s3(s3_storage):
     import time
 
-    from app.config import load_config
-    from app.train.runner import resolve_run
+    from lightray.config import load_config
+    from lightray.driver.runner import resolve_run
 
     cfg = load_config("smoke", {"storage": s3_storage})
     with pytest.raises(FileNotFoundError, match="no run found in storage s3://lightray-runs/runs"):
@@ -45,8 +45,8 @@ def test_resume_without_a_name_finds_the_newest_run_on_s3(s3_storage):
 def test_resume_without_a_name_finds_the_newest_run_in_a_folder_as_on_s3(tmp_path):
     import time
 
-    from app.config import load_config
-    from app.train.runner import resolve_run
+    from lightray.config import load_config
+    from lightray.driver.runner import resolve_run
 
     (tmp_path / "cache").mkdir()  # the shard cache: no run
     for name in ("older", "newer"):

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from app.config import OptimConfig, Phase, ScheduleConfig
-from app.schedule import Schedule, phase_ends, resolve, warmup_epochs
+from lightray.config import OptimConfig, Phase, ScheduleConfig
+from lightray.schedule import Schedule, phase_ends, resolve, warmup_epochs
 
 N = 1000  # training samples
 
@@ -156,7 +156,7 @@ def test_batch_larger_than_dataset_is_a_clear_error():
     ("imagenet-rn18-16ep", "resnet18", [160, 192]),
 ])
 def test_imagenet_recipes_load_and_scale_lr_with_each_phase_batch(recipe, arch, resolutions):
-    from app.config import load_config
+    from lightray.config import load_config
 
     cfg = load_config(recipe)
     assert cfg.model.arch == arch

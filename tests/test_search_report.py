@@ -11,11 +11,11 @@ import optuna
 import pytest
 import yaml
 
-from app.config import load_config
-from app.tune.report import trial_table, write_search_report
-from app.tune.space import parse_space
-from app.tune.trial_startup import TRIAL_START_FILE, summarize, trial_startup
 from bench.search import _median_censored, best_at, compare, curve, trial_s_to_reach
+from lightray.config import load_config
+from lightray.tune.report import trial_table, write_search_report
+from lightray.tune.space import parse_space
+from lightray.tune.trial_startup import TRIAL_START_FILE, summarize, trial_startup
 
 SPACE = {"metric": "val_top1", "trials": 12, "scheduler": {"name": "asha"}, "budget": {"epochs": 2},
          "params": {"optim.lr_per_256": {"dist": "loguniform", "low": 0.01, "high": 4.0},
@@ -67,7 +67,7 @@ def test_search_report_writes_importances_parallel_plot_and_trial_table_with_sto
 
 
 def test_cli_report_on_a_tune_experiment_adds_the_search_report(tmp_path, capsys):
-    from app.cli import main
+    from lightray.cli import main
 
     exp = make_experiment(tmp_path)
     assert main(["--report", str(exp)]) == 0
@@ -139,7 +139,7 @@ def test_compare_reports_spread_and_the_trial_second_ratio_to_random_median_best
             "tpe_asha": [search((25, 0.45)), search((20, 0.3), (20, 0.42)), search((100, 0.1))]}
     figures, ratios = compare(runs, budget_s=100.0)
     assert figures["random_median_best_top1"] == 0.41
-    assert figures["best_top1_at_budget"]["random"]["values"] == [0.4, 0.5, 0.41]
+    assert figures["best_top1_at_budget"]["random"]["runs"] == [0.4, 0.5, 0.41]
     assert figures["best_top1_at_budget"]["tpe_asha"]["n"] == 3
     # random reaches 0.41 at 100, 100, 100; TPE at 25, 40, never -> median 40
     assert figures["median_trial_s_to_random_median_best"] == {"random": 100.0, "tpe_asha": 40.0}

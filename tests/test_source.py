@@ -8,7 +8,7 @@ import pathlib
 import pytest
 from PIL import Image
 
-from app.data.source import DataError, list_imagefolder
+from lightray.data.source import DataError, list_imagefolder
 
 
 def _img(path: pathlib.Path) -> None:
@@ -98,7 +98,7 @@ def test_root_that_is_a_file_is_rejected(tmp_path):
 
 
 def test_class_folders_listed_in_parallel_give_the_order_of_a_one_by_one_listing(tmp_path, monkeypatch):
-    from app.data import source
+    from lightray.data import source
 
     spec = {"train": {f"c{i:02d}": [f"{j}.jpg" for j in range(i % 4 + 1)] for i in range(40)},
             "val": {"c03": ["v1.jpg", "v0.jpg"], "c17": ["v2.jpg"]}}

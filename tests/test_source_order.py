@@ -13,11 +13,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from app.data import mix
-from app.data.manifest import Manifest
-from app.data.prepare import prepare
-from app.data.sources import list_source
-from app.data.sources_parquet import plan_units
+from lightray.data import mix
+from lightray.data.manifest import Manifest
+from lightray.data.prepare import prepare
+from lightray.data.sources import list_source
+from lightray.data.sources_parquet import plan_units
 from tests.test_sources import CLASSES, HF_META, jpeg
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -15,11 +15,11 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from app.data.manifest import Manifest
-from app.data.prepare import prepare
-from app.data.source import DataError, detect_kind
-from app.data.sources import list_source
-from app.data.sources_rows import ROW_BITS
+from lightray.data.manifest import Manifest
+from lightray.data.prepare import prepare
+from lightray.data.source import DataError, detect_kind
+from lightray.data.sources import list_source
+from lightray.data.sources_rows import ROW_BITS
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CLASSES = ("ant", "bee", "cow")

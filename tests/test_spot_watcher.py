@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from app.config import ConfigError, ScalingConfig
-from app.train.spot_watcher import (
+from lightray.config import ConfigError, ScalingConfig
+from lightray.driver.spot_watcher import (
     SpotWatcher,
     WatcherKeeper,
     parse_notice,
@@ -127,7 +127,7 @@ def test_bad_endpoint_or_mode_is_a_config_error_naming_the_key():
 
 
 def test_config_accepts_spot_keys_and_rejects_bad_values():
-    from app.config import load_config
+    from lightray.config import load_config
 
     cfg = load_config("demo", {"scaling.spot_watcher": "on", "scaling.spot_poll_s": "0.5",
                                "scaling.spot_endpoint": "http://127.0.0.1:1"})

@@ -1,10 +1,10 @@
 """A resuming driver cancels what its dead predecessors booked with Ray's autoscaling coordinator
-(app/train/stale_runs.py), on a real local Ray cluster and the real coordinator actor. The whole path (a killed
+(app/driver/stale_runs.py), on a real local Ray cluster and the real coordinator actor. The whole path (a killed
 driver, then ``--resume`` on a multi-node cluster) is bench.chaos's driver_kill, in tests/test_chaos_bench.py."""
 
 from __future__ import annotations
 
-from app.train.stale_runs import recorded_run_ids, release_bookings
+from lightray.driver.stale_runs import recorded_run_ids, release_bookings
 
 
 def _bookings(coordinator) -> set[str]:

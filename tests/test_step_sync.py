@@ -18,14 +18,14 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from app.config import ModelConfig, load_config
-from app.data.ingest import IngestSpec, TierShards
-from app.train import device as dev
-from app.train.evaluate import evaluate
-from app.train.model import build_model
-from app.train.prefetch import DevicePrefetcher, pin_batch
-from app.train.topology import Topology
-from app.train.trainer import Trainer
+from lightray.comm.topology import Topology
+from lightray.config import ModelConfig, load_config
+from lightray.data.ingest import IngestSpec, TierShards
+from lightray.train import device as dev
+from lightray.train.evaluate import evaluate
+from lightray.train.model import build_model
+from lightray.train.prefetch import DevicePrefetcher, pin_batch
+from lightray.train.trainer import Trainer
 
 CPU = torch.device("cpu")
 HOST_READS = ("aten._local_scalar_dense.default",)

@@ -1,4 +1,4 @@
-"""app.storage on real files (and, where moto is installed, a real S3 API server on localhost)."""
+"""lightray.storage on real files (and, where moto is installed, a real S3 API server on localhost)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from app import storage
+from lightray import storage
 
 
 def test_write_bytes_replaces_the_file_whole_and_leaves_no_temp(tmp_path):
@@ -27,7 +27,7 @@ def test_a_write_cut_short_keeps_the_old_file(tmp_path):
     target.write_bytes(b"old")
     script = textwrap.dedent(f"""
         import resource, signal, sys
-        from app import storage
+        from lightray import storage
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write with EFBIG rather than die
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
         try:

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from app import storage
-from app.storage_retry import with_retry
+from lightray import storage
+from lightray.storage_retry import with_retry
 from tests.conftest import S3_ENV
 
 OUTAGE_S = 8.0

@@ -15,7 +15,7 @@ import tracemalloc
 import pyarrow.fs as pafs
 import pytest
 
-from app import storage, storage_retry
+from lightray import storage, storage_retry
 from tests.test_storage_retry import restartable_s3  # noqa: F401  (the fixture: (uri, stop, start) of a moto server)
 
 MIB = 1 << 20

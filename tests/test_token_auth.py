@@ -23,8 +23,8 @@ import psutil
 import pytest
 import requests
 
-from app.train.cluster_loss import gcs_reachable
 from bench.common import stop_processes
+from lightray.driver.cluster_loss import gcs_reachable
 from tests.faults import wait_for
 
 pytestmark = pytest.mark.slow

@@ -17,11 +17,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from app.config import load_config
-from app.data.ingest import IngestSpec, TierShards
-from app.storage import write_bytes
-from app.train.context import LocalContext
-from app.train.state import (
+from lightray.comm.topology import Topology
+from lightray.config import load_config
+from lightray.data.ingest import IngestSpec, TierShards
+from lightray.storage import write_bytes
+from lightray.train.context import LocalContext
+from lightray.train.state import (
     CHECKPOINT_FORMAT,
     CheckpointFormatError,
     ResumePoint,
@@ -30,8 +31,7 @@ from app.train.state import (
     load_rank_state,
     save_rank_state,
 )
-from app.train.topology import Topology
-from app.train.trainer import PhaseRun, Trainer
+from lightray.train.trainer import PhaseRun, Trainer
 from tests.devices import lazy_device
 
 LEGACY_COUNTER_KEYS = ["samples_seen", "step", "starts", "device_seconds", "train_seconds", "resizes",

@@ -16,8 +16,8 @@ import pytest
 import ray
 import yaml
 
-from app.config import load_config
 from bench.common import kill_processes, process_tree
+from lightray.config import load_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -62,8 +62,8 @@ def local_ray():
 
 
 def test_search_runs_trials_stops_weak_ones_and_writes_a_runnable_best_recipe(tmp_path, local_ray, capsys):
-    from app.train.runner import run_training
-    from app.tune.search import run_search
+    from lightray.driver.runner import run_training
+    from lightray.tune.search import run_search
 
     space = write_space(tmp_path / "space.yaml")
     cfg = load_config("smoke", {"storage": str(tmp_path / "runs"), "name": "exp"})
@@ -134,7 +134,7 @@ def test_search_runs_trials_stops_weak_ones_and_writes_a_runnable_best_recipe(tm
 DRIVER = """
 import sys, ray
 ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-from app.cli import main
+from lightray.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -199,7 +199,7 @@ def test_killed_driver_resumes_with_finished_trials_kept(tmp_path):
 def test_ended_trial_placement_groups_recorded_by_the_run_are_freed(tmp_path, local_ray):
     from ray.util.placement_group import placement_group, placement_group_table
 
-    from app.tune.free import PG_FILE, free_placement_groups
+    from lightray.tune.free import PG_FILE, free_placement_groups
 
     pg = placement_group([{"CPU": 1.0}, {"CPU": 1.0}])
     ray.get(pg.ready(), timeout=60)

@@ -9,10 +9,10 @@ import pytest
 import yaml
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-from app.config import ConfigError, load_config
-from app.tune.objective import Objective
-from app.tune.search import fit_concurrency, format_table, trial_bundles
-from app.tune.space import (
+from lightray.config import ConfigError, load_config
+from lightray.tune.objective import Objective
+from lightray.tune.search import fit_concurrency, format_table, trial_bundles
+from lightray.tune.space import (
     SPACES_DIR,
     apply_params,
     base_for_trials,
@@ -130,7 +130,7 @@ def test_bad_space_entry_raises_config_error_naming_it(demo_cfg, raw, words):
 
 
 def test_cli_tune_with_bad_space_exits_2_with_one_line(tmp_path, capsys):
-    from app.cli import main
+    from lightray.cli import main
 
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(param("optim.lr_per_256", {"dist": "uniform", "low": 2.0, "high": 1.0})))
@@ -221,7 +221,7 @@ def test_space_path_by_bare_name_and_missing_file(demo_cfg, tmp_path):
 
 # --- rungs, LR rule, shared start-up switch, experiment budget ---------------------------------------------
 def test_asha_rungs_sit_at_phase_boundaries_after_the_longest_warmup(demo_cfg):
-    from app.tune.rungs import grace_epochs, rung_epochs, rung_milestones
+    from lightray.tune.rungs import grace_epochs, rung_epochs, rung_milestones
 
     # demo_cfg phases end at 4, 8, 10; a 10-epoch budget keeps them; warm-up searched up to 3 epochs.
     sp = parse_space(space(budget={"epochs": 10}, scheduler={"name": "asha", "reduction_factor": 2},
@@ -240,7 +240,7 @@ def test_asha_rungs_sit_at_phase_boundaries_after_the_longest_warmup(demo_cfg):
 
 
 def test_rungs_in_samples_use_the_largest_searched_batch_so_every_trial_reaches_them(demo_cfg):
-    from app.tune.rungs import rung_milestones
+    from lightray.tune.rungs import rung_milestones
 
     sp = parse_space(space(budget={"epochs": 10}, params={"global_batch": {"dist": "choice", "values": [128, 512]}}),
                      demo_cfg)
@@ -253,7 +253,7 @@ def test_rungs_in_samples_use_the_largest_searched_batch_so_every_trial_reaches_
 
 
 def test_single_phase_schedule_gets_geometric_rungs_from_the_grace_period(demo_cfg):
-    from app.tune.rungs import rung_epochs
+    from lightray.tune.rungs import rung_epochs
 
     one = {"fixed": {"schedule.phases": [{"until": 1.0, "resolution": 32, "batch_size": 128}]},
            "budget": {"epochs": 9}, "scheduler": {"name": "asha", "reduction_factor": 2, "grace_period": 0}}
@@ -267,7 +267,7 @@ def test_single_phase_schedule_gets_geometric_rungs_from_the_grace_period(demo_c
 def test_asha_with_sample_rungs_stops_the_weaker_trial_at_the_first_rung(demo_cfg):
     from ray.tune.schedulers import TrialScheduler
 
-    from app.tune.rungs import make_asha
+    from lightray.tune.rungs import make_asha
 
     sp = parse_space(space(budget={"epochs": 10}), demo_cfg)
     asha = make_asha(sp, {"epochs": [4, 8], "samples": [3000, 6000], "max_samples": 8000})

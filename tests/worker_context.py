@@ -28,6 +28,6 @@ class FolderContext:
         return None
 
     def topology(self):
-        from app.train.topology import Topology
+        from lightray.comm.topology import Topology
 
         return Topology.simulated(self.world, self.rank, self.world)

@@ -28,10 +28,10 @@ import numpy as np
 import psutil
 import ray
 
-from app.data import augment, autotune_cache
-from app.data.plan import EpochPlan
-from app.data.spec import BLOCK_ROWS, MAP_CPUS, IngestSpec
-from app.data.timing import images_per_s
+from lightray.data import augment, autotune_cache
+from lightray.data.plan import EpochPlan
+from lightray.data.spec import BLOCK_ROWS, MAP_CPUS, IngestSpec
+from lightray.data.timing import images_per_s
 
 log = logging.getLogger(__name__)
 MIN_CALIBRATION_SAMPLES = 2048  # below this a run is over before a calibration pays for itself
@@ -318,7 +318,7 @@ def cpu_decode_rate(sample: list[tuple[bytes, int, int, int]], resolution: int, 
 def _device_rate(encoded: list[bytes], seconds: float) -> float:
     import torch
 
-    from app.data.device_decode import decode_rate
+    from lightray.data.device_decode import decode_rate
 
     return decode_rate(encoded, torch.device("cuda"), seconds)
 

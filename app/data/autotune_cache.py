@@ -1,6 +1,6 @@
 """Calibration results kept per data and machine, so a second run on the same cache does not calibrate.
 
-The preprocessing calibration (``app.data.autotune``) costs several seconds of start-up and its answer
+The preprocessing calibration (``lightray.data.autotune``) costs several seconds of start-up and its answer
 depends only on what it timed: the shards of the phase it measured (their sha256), the phase's
 resolution and crop scale, the level that serves it (object store or local disk), the CPUs left to Ray
 Data, the calibration's own settings, and the machine (host name, physical cores and logical CPUs, the

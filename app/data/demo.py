@@ -18,7 +18,7 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from app.config import DataConfig
+from lightray.config import DataConfig
 
 SHAPES = ("circle", "ring", "triangle", "square", "plus", "cross", "star", "crescent", "pair", "arrow",
           "hexagon", "heart")

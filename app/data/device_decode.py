@@ -3,10 +3,10 @@ and flip bit, drawn as every other path draws them), and the Train worker decode
 ``torchvision.io.decode_jpeg`` call on its device (batched nvJPEG on CUDA; libjpeg-turbo on the CPU device, the
 same library PIL uses, so the pixels there are the CPU path's).
 
-The decoded images differ in size, so each one's *window around its crop box* (``app.data.augment.window_boxes``,
+The decoded images differ in size, so each one's *window around its crop box* (``lightray.data.augment.window_boxes``,
 the window the device-augmentation path ships) is pasted top-left onto one canvas per batch, the boxes moved into
 window coordinates by whole pixels (the same crop), and the rows and columns past each window repeat its last
-ones: the batched crop (``app.train.device.crop_resize_flip``) then samples edge pixels as PIL's clamp does.
+ones: the batched crop (``lightray.train.device.crop_resize_flip``) then samples edge pixels as PIL's clamp does.
 A crop box's aspect is within [3/4, 4/3], so a window, and the canvas, is at most about the short side * 4/3 in
 each direction (``augment.window_bound``): a few panoramas in a batch no longer make its canvas their size.
 
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from app.data import augment
-from app.data.timing import images_per_s
+from lightray.data import augment
+from lightray.data.timing import images_per_s
 
 log = logging.getLogger(__name__)
 SKIPPED: list[int] = []  # sample ids this process could not decode, in the order met
@@ -175,7 +175,7 @@ def describe(device: torch.device, phases: list[int]) -> str:
 
 def decode_rate(encoded: list[bytes], device: torch.device | str, seconds: float = 1.0, batch: int = 64) -> float:
     """Images/s of batched decode (plus the canvas paste, of whole images: no boxes here, so an upper bound of
-    the windows' paste) of ``encoded`` on ``device`` (timed as :func:`app.data.timing.images_per_s` times)."""
+    the windows' paste) of ``encoded`` on ``device`` (timed as :func:`lightray.data.timing.images_per_s` times)."""
     device = torch.device(device)
     data = as_tensors(encoded[:batch])
     if not data:

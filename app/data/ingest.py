@@ -4,15 +4,15 @@ How the pieces meet Ray Train:
 - ``train_datasets()`` returns ``datasets=`` for the TorchTrainer: one entry per phase (``train_p0``,
   ``train_p1``, ...) and ``val``. Each value is a *function*; Ray Train calls it at every worker-group
   start, so each start builds the stream from the resume position chosen then (see
-  ``app.train.state.select_resume``), not from sample zero.
+  ``lightray.train.state.select_resume``), not from sample zero.
 - A dataset's rows are small "blocks" (epoch, first step, number of steps). ``PlanDataConfig.configure``
   is called with the number of workers and gives rank ``r`` the same blocks mapped by a function that
-  produces exactly rank ``r``'s slice of each global batch (``app.data.plan``), in order
+  produces exactly rank ``r``'s slice of each global batch (``lightray.data.plan``), in order
   (``preserve_order``). Decoding and augmentation run as Ray Data tasks anywhere in the cluster; the
   worker receives uint8 HWC batches and normalises on its device. With device augmentation (a raw tier,
   ``data.augment_on``) the tasks only copy each sample's window of stored pixels and ship its crop box and
   flip bit; the worker crops, resizes and flips the batch in one op (:func:`plan_augmentation`).
-- Where the pixels come from (``app.data.shard_cache``): a tier that fits ``data.memory_budget_mb``
+- Where the pixels come from (``lightray.data.shard_cache``): a tier that fits ``data.memory_budget_mb``
   decoded is materialized in the object store at start (:func:`materialize_tiers`); the others are read
   from the node-local copy of each shard. ``IngestSpec.events`` says which level serves each phase.
 - Validation: ``val_mode=center`` scores square centre crops; ``val_mode=rect`` sorts the split by aspect
@@ -32,14 +32,14 @@ import ray
 import ray.data
 import ray.train
 
-from app.data import augment, autotune, shard_cache
-from app.data.plan import EpochPlan, rank_slice
-from app.data.spec import BLOCK_ROWS, IngestSpec, TierShards
+from lightray.data import augment, autotune, shard_cache
+from lightray.data.plan import EpochPlan, rank_slice
+from lightray.data.spec import BLOCK_ROWS, IngestSpec, TierShards
 
 # The spec and its parts stay importable from the ingest, whose public types they are ("X as X": re-exported).
-from app.data.spec import MAP_CPUS as MAP_CPUS
-from app.data.spec import PhaseSpec as PhaseSpec
-from app.data.spec import tier_shards as tier_shards
+from lightray.data.spec import MAP_CPUS as MAP_CPUS
+from lightray.data.spec import PhaseSpec as PhaseSpec
+from lightray.data.spec import tier_shards as tier_shards
 
 
 def train_block_batch(blocks: dict, *, spec: IngestSpec, phase: int, rank: int, world_size: int) -> dict:
@@ -106,7 +106,7 @@ def device_block_batch(blocks: dict, *, spec: IngestSpec, phase: int, rank: int,
 def jpeg_block_batch(blocks: dict, *, spec: IngestSpec, phase: int, rank: int, world_size: int) -> dict:
     """The device-decode path's map: each sample's stored JPEG bytes, untouched, with its crop box (in stored-image
     pixels) and flip bit drawn from (seed, epoch, sample id) exactly as the CPU path draws them; the worker
-    decodes, crops, resizes and flips the batch on its device (``app.data.device_decode``)."""
+    decodes, crops, resizes and flips the batch on its device (``lightray.data.device_decode``)."""
     ph = spec.phases[phase]
     pos = list(rank_positions(blocks, spec, phase, rank, world_size))
     n = sum(len(rows) for _, _, rows in pos)
@@ -392,7 +392,7 @@ def finalize_spec(spec: IngestSpec, data: Any, train_cpus: float, workers_use_cu
     object-store level, preprocessing calibration (last, so it times the level that will really serve).
     ``data`` is the config's DataConfig; ``train_cpus`` what the Train workers reserve; ``shared_tiers``
     tiers already decoded for several runs (see :func:`materialize_tiers`)."""
-    from app import startup
+    from lightray import startup
 
     spec.block_rows = data.block_rows or BLOCK_ROWS
     plan_augmentation(spec, data.augment_on, workers_use_cuda)

@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from app import storage
-from app.data import images, sources_parquet, sources_webdataset
-from app.data.source import DataError, detect_kind, resolve_fs
-from app.data.sources_rows import read_classes_json, split_of
+from lightray import storage
+from lightray.data import images, sources_parquet, sources_webdataset
+from lightray.data.source import DataError, detect_kind, resolve_fs
+from lightray.data.sources_rows import read_classes_json, split_of
 
 
 def container_files(data: str, suffix: str) -> list[str]:

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from app import storage
-from app.data.source import DataError, resolve_fs
-from app.storage import join
+from lightray import storage
+from lightray.data.source import DataError, resolve_fs
+from lightray.storage import join
 
 MANIFEST = "manifest.json"
 BAD_FILES = "bad_files.json"
@@ -45,7 +45,7 @@ class Manifest:
             data = storage.read_json(target, fs=fs)
         except FileNotFoundError:
             raise DataError(f"{join(location, MANIFEST)}: not found; expected a shard cache written by prepare "
-                            "(run `python app/run.py --prepare` or app.data.prepare.prepare)") from None
+                            "(run `python app/run.py --prepare` or lightray.data.prepare.prepare)") from None
         except (OSError, ValueError) as exc:
             raise DataError(f"{join(location, MANIFEST)}: unreadable ({exc}); expected the JSON manifest "
                             "written by prepare; delete the folder to rebuild it") from None

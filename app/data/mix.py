@@ -1,7 +1,7 @@
 """Which samples share a shard: a seeded mix of the split, so that the order of a source's rows never
 decides what a shard holds.
 
-The epoch plan (``app.data.plan``) draws each global batch from one or two shards (shard-granular reads
+The epoch plan (``lightray.data.plan``) draws each global batch from one or two shards (shard-granular reads
 keep training I/O sequential), so every shard must be a fair sample of the split. A listing of class
 folders is sorted by class, and so are many row sources: the Hugging Face ``datasets`` layout of a dataset
 built from class folders is one file per split, its rows in class order. Shards of consecutive rows would

@@ -20,7 +20,7 @@ from typing import Any
 
 from PIL import Image
 
-from app.config import EVAL_RES_FACTOR, Config
+from lightray.config import EVAL_RES_FACTOR, Config
 
 PROBE_SAMPLES = 64
 MIN_RESOLUTION = 8

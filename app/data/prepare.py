@@ -40,19 +40,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from app import storage
-from app.data import images, mix, native, remix, sources_parquet, sources_webdataset
-from app.data.manifest import BAD_FILES, MANIFEST, Manifest
-from app.data.mix import SHARD_MIX_SEED, shard_order
-from app.data.shard_cache import default_local_dir
-from app.data.shard_files import PROGRESS_DIR, parquet_bytes, shard_file
-from app.data.source import DataError, SourceListing, resolve_fs, run_val_fraction
-from app.data.sources import list_source
-from app.data.sources_rows import RowListing
-from app.storage import is_uri, join
+from lightray import storage
+from lightray.data import images, mix, native, remix, sources_parquet, sources_webdataset
+from lightray.data.manifest import BAD_FILES, MANIFEST, Manifest
+from lightray.data.mix import SHARD_MIX_SEED, shard_order
+from lightray.data.shard_cache import default_local_dir
+from lightray.data.shard_files import PROGRESS_DIR, parquet_bytes, shard_file
+from lightray.data.source import DataError, SourceListing, resolve_fs, run_val_fraction
+from lightray.data.sources import list_source
+from lightray.data.sources_rows import RowListing
+from lightray.storage import is_uri, join
 
 if TYPE_CHECKING:
-    from app.config import Config
+    from lightray.config import Config
 
 log = logging.getLogger("lightray.prepare")
 FORMAT_VERSION = 2  # bump when the shard bytes change for the same inputs (forces new cache keys)
@@ -331,7 +331,7 @@ def unit_rows(cache: _Cache, unit: dict[str, Any]) -> list[tuple[int, str, int, 
 def _plan_row_shards(cache: _Cache, limit: dict[str, int] | None, shard_rows: int,
                      jpeg_quality: int) -> list[dict[str, Any]]:
     """Units of a Parquet / WebDataset source: a Parquet split whose rows are clustered by class gets
-    shards of a seeded mix of its rows (``app.data.mix``), a shuffled one row ranges of one file each;
+    shards of a seeded mix of its rows (``lightray.data.mix``), a shuffled one row ranges of one file each;
     WebDataset units are one tar each."""
     listing = cache.listing
     module = sources_parquet if listing.kind == "parquet" else sources_webdataset
@@ -434,7 +434,7 @@ def _build_shards(todo: list[dict[str, Any]], done: dict[str, dict[str, Any]], n
 
 def _remix_clustered(cache: _Cache, units: list[dict[str, Any]], done: dict[str, dict[str, Any]], shard_rows: int,
                      num_cpus: float, concurrency: int | None) -> tuple[list[dict[str, Any]], dict[str, dict]]:
-    """Tar shards clustered by class are cut again into shards of a seeded mix (``app.data.remix``); returns the
+    """Tar shards clustered by class are cut again into shards of a seeded mix (``lightray.data.remix``); returns the
     units and sidecars the manifest lists (the remixed train shards carry the first pass's bad files)."""
     if not (isinstance(cache.listing, RowListing) and cache.listing.kind == "webdataset"):
         return units, done
@@ -539,7 +539,7 @@ def prepare(source: str, cache_root: str, tiers: list[int], *, jpeg_quality: int
     presence and size are checked). ``num_cpus`` per task is fractional on purpose; ``concurrency`` caps
     tasks in flight (default: the cluster's logical CPU count). ``progress(done, total)`` is called on the
     driver after each finished shard. ``val_fraction``/``val_seed``: the hold-out of a source without
-    ``val/`` (``app.data.source.hold_out``); it is part of the cache key and recorded in the manifest.
+    ``val/`` (``lightray.data.source.hold_out``); it is part of the cache key and recorded in the manifest.
     ``tiers_at_native``: when given, the tiers come from it, called with the source's native size probed
     from a sample of image headers (:func:`probe_native`), in place of ``tiers``.
     Returns a ``pathlib.Path`` for a local cache root, the URI string for a remote one.
@@ -626,7 +626,7 @@ def tiers_for(cfg: Config) -> list[int]:
 
     ``report.eval_sweep`` adds no tiers: each sweep resolution is scored from the nearest tier at or above
     it (else the largest), resized on the fly, so a sweep never costs another pass over the source."""
-    from app.config import default_eval_resolution
+    from lightray.config import default_eval_resolution
 
     if cfg.data.tiers:
         return sorted(set(cfg.data.tiers))
@@ -639,7 +639,7 @@ def prepare_main(cfg: Config) -> pathlib.Path | str:
     cache_root = resolve_cache_root(cfg)
     source = cfg.data.source
     if source == "demo":
-        from app.data.demo import ensure_demo
+        from lightray.data.demo import ensure_demo
 
         # The demo tree is written with local file I/O: next to a local cache, else in the node-local dir.
         demo_parent = cache_root if not is_uri(cache_root) else (cfg.data.local_cache_dir or default_local_dir())
@@ -648,7 +648,7 @@ def prepare_main(cfg: Config) -> pathlib.Path | str:
     limit = {"train": cfg.data.limit_train, "val": cfg.data.limit_val}
 
     def fitted_tiers(native_size: int | None) -> list[int]:
-        # The tiers of the recipe as the run will fit it to this source (app/train/runner.py fits the run's own
+        # The tiers of the recipe as the run will fit it to this source (app/driver/runner.py fits the run's own
         # config from the manifest, and says what it changed): none is built above the native size.
         fitted = copy.deepcopy(cfg)
         native.fit_schedule(fitted, native_size)

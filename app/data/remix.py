@@ -1,7 +1,7 @@
 """A second pass of prepare for sources whose rows are only known once read (WebDataset tars): when the train
 shards it built are clustered by class (a tar per class, or tars written in class order), they are cut again
 into shards of a seeded mix of every train row, as an ImageFolder listing or a class-sorted Parquet split is
-cut in the first place (``app.data.mix``).
+cut in the first place (``lightray.data.mix``).
 
 The first pass reads each tar once, in order, and writes one shard per tar (all tiers). The remix reads those
 shards (already resized and encoded: a fraction of the source's bytes) and writes shard j of every tier from
@@ -23,10 +23,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from app import storage
-from app.data import mix
-from app.data.shard_files import PROGRESS_DIR, parquet_bytes, shard_file
-from app.data.source import resolve_fs
+from lightray import storage
+from lightray.data import mix
+from lightray.data.shard_files import PROGRESS_DIR, parquet_bytes, shard_file
+from lightray.data.source import resolve_fs
 
 log = logging.getLogger("lightray.prepare")
 PREFIX = "mix-"
@@ -39,7 +39,7 @@ def counts(values: list[int]) -> dict[str, int]:
 
 def clustered_shards(sidecars: list[dict[str, Any]]) -> float:
     """How far the shards' class counts are from fair samples of the split, in standard deviations (the
-    statistic of :func:`app.data.mix.clustering`, over whole shards of any size)."""
+    statistic of :func:`lightray.data.mix.clustering`, over whole shards of any size)."""
     counts = [{int(k): int(v) for k, v in sc.get("label_counts", {}).items()} for sc in sidecars if sc["rows"]]
     classes = sorted({k for c in counts for k in c})
     if len(counts) < 2 or len(classes) < 2:

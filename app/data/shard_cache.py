@@ -37,9 +37,9 @@ import pyarrow.parquet as pq
 from PIL import Image
 from pyarrow.fs import FileType
 
-from app.data import augment
-from app.storage import resolve_fs
-from app.storage import sha256 as sha256_file
+from lightray.data import augment
+from lightray.storage import resolve_fs
+from lightray.storage import sha256 as sha256_file
 
 log = logging.getLogger(__name__)
 _MAX_OPEN = 16

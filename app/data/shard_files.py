@@ -1,4 +1,4 @@
-"""The shard cache's file layout, shared by prepare's two passes (``app.data.prepare``, ``app.data.remix``): a
+"""The shard cache's file layout, shared by prepare's two passes (``lightray.data.prepare``, ``lightray.data.remix``): a
 shard's file name and its Parquet encoding, and the folder of per-shard sidecars."""
 
 from __future__ import annotations

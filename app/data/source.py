@@ -25,8 +25,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
-from app import storage
-from app.storage import is_uri, join
+from lightray import storage
+from lightray.storage import is_uri, join
 
 # torchvision's IMG_EXTENSIONS, compared case-insensitively (ImageNet has a few upper-case names).
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")

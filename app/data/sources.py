@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from app import storage
-from app.data import sources_parquet, sources_webdataset
-from app.data.source import SourceListing, detect_kind, list_imagefolder, resolve_fs
-from app.data.sources_rows import RowListing
+from lightray import storage
+from lightray.data import sources_parquet, sources_webdataset
+from lightray.data.source import SourceListing, detect_kind, list_imagefolder, resolve_fs
+from lightray.data.sources_rows import RowListing
 
 
 def list_source(root: str, val_fraction: float = 0.0, val_seed: int = 0,

@@ -22,9 +22,9 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from app.data import mix
-from app.data.source import DataError, rank_holdout
-from app.data.sources_rows import (
+from lightray.data import mix
+from lightray.data.source import DataError, rank_holdout
+from lightray.data.sources_rows import (
     RowFile,
     RowListing,
     list_containers,

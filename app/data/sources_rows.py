@@ -17,9 +17,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from app import storage
-from app.data.source import DataError
-from app.storage import join
+from lightray import storage
+from lightray.data.source import DataError
+from lightray.storage import join
 
 ROW_BITS = 32  # sample_id = file_index << ROW_BITS | row
 SPLIT_NAMES = {"train": "train", "training": "train", "val": "val", "valid": "val", "validation": "val"}

@@ -16,8 +16,8 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from app.data.source import DataError
-from app.data.sources_rows import (
+from lightray.data.source import DataError
+from lightray.data.sources_rows import (
     RowListing,
     held_out,
     list_containers,

@@ -1,6 +1,6 @@
 """What a Ray Data preprocessing task needs to know (``IngestSpec``) and its parts: the stored tier each
 phase reads, and the defaults of the preprocessing knobs. Shared by the ingest and by the preprocessing
-calibration (``app.data.autotune``), which both read images through ``TierShards.images``.
+calibration (``lightray.data.autotune``), which both read images through ``TierShards.images``.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from app.data import shard_cache
+from lightray.data import shard_cache
 
-log = logging.getLogger("app.data.ingest")  # the events are the ingest's: logged under its name
+log = logging.getLogger("lightray.data.ingest")  # the events are the ingest's: logged under its name
 BLOCK_ROWS = 512  # default global rows per plan block: amortises task overhead, small enough for smooth streaming
 MAP_CPUS = 0.25  # default CPUs a map task reserves: fractional, so Data tasks never starve Train (ray#44687)
 

@@ -1,6 +1,6 @@
 """Seeing a run: console progress, TensorBoard events, plots + markdown report, MLflow export.
 
-Names are loaded on first use so that importing ``app.report`` for the console view does not pull
+Names are loaded on first use so that importing ``lightray.report`` for the console view does not pull
 in matplotlib, torch or tensorboard.
 """
 
@@ -10,16 +10,16 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "ProgressPrinter": "app.report.progress",
-    "print_summary_table": "app.report.progress",
-    "quiet_ray_logging": "app.report.progress",
-    "read_metrics": "app.report.progress",
-    "TBLogger": "app.report.tensorboard_log",
-    "read_scalars": "app.report.tensorboard_log",
-    "make_report": "app.report.markdown",
-    "ReportError": "app.report.plots",
-    "log_run": "app.report.mlflow_log",
-    "MissingExtraError": "app.report.mlflow_log",
+    "ProgressPrinter": "lightray.report.progress",
+    "print_summary_table": "lightray.report.progress",
+    "quiet_ray_logging": "lightray.report.progress",
+    "read_metrics": "lightray.report.progress",
+    "TBLogger": "lightray.report.tensorboard_log",
+    "read_scalars": "lightray.report.tensorboard_log",
+    "make_report": "lightray.report.markdown",
+    "ReportError": "lightray.report.plots",
+    "log_run": "lightray.report.mlflow_log",
+    "MissingExtraError": "lightray.report.mlflow_log",
 }
 
 __all__ = list(_EXPORTS)
@@ -28,4 +28,4 @@ __all__ = list(_EXPORTS)
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'app.report' has no attribute {name!r}")
+    raise AttributeError(f"module 'lightray.report' has no attribute {name!r}")

@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from app.config import ConfigError, CostConfig
+from lightray.config import ConfigError, CostConfig
 
 
 def validate_cost(cfg: CostConfig) -> None:

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from app import storage
-from app.report.plots import (
+from lightray import storage
+from lightray.report.plots import (
     ReportError,
     RunData,
     load_run,
@@ -25,7 +25,7 @@ from app.report.plots import (
     plot_throughput,
     plot_trials,
 )
-from app.report.progress import METRICS_FILE, format_event, summary_rows
+from lightray.report.progress import METRICS_FILE, format_event, summary_rows
 
 REPORT_DIR = "report"
 TRIALS_FILE = "trials.json"
@@ -59,7 +59,7 @@ def render_anywhere(path: str, render: Callable[[str], list[str]]) -> list[str]:
         return render(path)
     import tempfile
 
-    from app.report.record_sync import fetch_for_report, push_folder
+    from lightray.report.record_sync import fetch_for_report, push_folder
 
     with tempfile.TemporaryDirectory(prefix="lightray-report-") as tmp:
         render(fetch_for_report(path, tmp))

@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from app import storage
-from app.report.progress import METRICS_FILE, read_metrics
-from app.report.tensorboard_log import TAGS
+from lightray import storage
+from lightray.report.progress import METRICS_FILE, read_metrics
+from lightray.report.tensorboard_log import TAGS
 
 MAX_PARAM_LEN = 500  # the smallest value limit among MLflow server versions still in use
 PARAM_BATCH = 100  # MLflow's log_batch limit on params per request

@@ -17,8 +17,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display on cluster heads or CI
 import matplotlib.pyplot as plt
 
-from app import storage
-from app.report.progress import METRICS_FILE, read_metrics
+from lightray import storage
+from lightray.report.progress import METRICS_FILE, read_metrics
 
 SUMMARY_FILE = "summary.json"
 MARKS = {  # event -> (color, linestyle, legend label)

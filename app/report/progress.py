@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any, TextIO
 
-from app import storage
+from lightray import storage
 
 METRICS_FILE = "metrics.jsonl"
 CLEAR_LINE = "\x1b[2K"  # ANSI erase-line: the new line may be shorter than the old one

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from app import storage
+from lightray import storage
 
 # What a run's mirror holds that the storage should hold too (summary.json is written to both directly;
 # checkpoints go to the storage through Ray Train). Folders are copied with everything in them.

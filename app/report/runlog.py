@@ -14,7 +14,7 @@ from typing import Any
 
 import ray
 
-from app import storage
+from lightray import storage
 
 NAMESPACE = "lightray"
 
@@ -41,7 +41,7 @@ class RunLogWriter:
 
     def _writer(self, purge_step: int | None = None):
         if self._tb is None and self.tb_dir:
-            from app.report.tensorboard_log import TBLogger
+            from lightray.report.tensorboard_log import TBLogger
 
             self._tb = TBLogger(self.tb_dir, purge_step=purge_step)
         return self._tb

@@ -9,9 +9,9 @@ import sys
 import time
 from typing import Any
 
-from app import storage
-from app.config import Config
-from app.provenance import git_revision
+from lightray import storage
+from lightray.config import Config
+from lightray.provenance import git_revision
 
 
 def versions() -> dict[str, str]:
@@ -76,11 +76,11 @@ def write_summary(cfg: Config, run_dir: str, local_run_dir: str, records: list[d
                   t1: float, epochs_planned: int | None, *, use_gpu: bool, error: BaseException | None = None,
                   spot: dict | None = None, billing: dict | None = None, status: str | None = None,
                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``billing`` (app/train/billing.py): node-seconds per price key over every attempt of the run; when
+    """``billing`` (app/driver/billing.py): node-seconds per price key over every attempt of the run; when
     given, the cost bills them (rolled-back work included) instead of inferring machines from devices.
     ``status`` replaces the one the error implies (finished / failed): a search's stopped trial is "stopped".
     ``extra``: more keys, e.g. what stopped it."""
-    from app.report.cost import estimate_cost
+    from lightray.report.cost import estimate_cost
 
     train = [r for r in records if "event" not in r]
     vals = [r for r in train if "val_top1" in r]
@@ -138,8 +138,8 @@ def write_summary_from_files(cfg: Config, run_dir: str, local_run_dir: str, t0: 
                              extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """summary.json for a run whose driver could not write it (ended from outside, or a search trial that Tune
     stopped), from what the run wrote: its metrics.jsonl (none yet: the summary still names the cause)."""
-    from app.report.progress import MetricsFileError, read_metrics
-    from app.report.record_sync import RecordSync
+    from lightray.report.progress import MetricsFileError, read_metrics
+    from lightray.report.record_sync import RecordSync
 
     try:
         records = read_metrics(os.path.join(local_run_dir, "metrics.jsonl"))[0]

@@ -48,7 +48,7 @@ class TBLogger:
 
     def __init__(self, log_dir: str, purge_step: int | None = None, flush_secs: int = 30):
         # Imported here: tensorboard's protos cost a second, and only the run log needs them.
-        from app.report.tb_events import EventWriter
+        from lightray.report.tb_events import EventWriter
 
         self.log_dir = str(log_dir)
         os.makedirs(self.log_dir, exist_ok=True)
@@ -74,7 +74,7 @@ class TBLogger:
 
     def event(self, record: dict[str, Any], step: int) -> None:
         """An event line (restart, resize, unit, ...) as text, so TensorBoard shows what happened when."""
-        from app.report.progress import format_event
+        from lightray.report.progress import format_event
 
         self._writer.add_text("events", format_event(record), global_step=step)
 

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from app.data.plan import rank_slice
-from app.train import device as dev
+from lightray.data.plan import rank_slice
+from lightray.train import device as dev
 
 ACTIVATION_FACTOR = 1.25  # kept activations -> peak: the backward's gradient buffers of the widest layers
 MEMORY_FRACTION = 0.85  # of the estimated budget; the rest absorbs estimate error

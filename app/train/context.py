@@ -13,8 +13,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from app import storage
-from app.train.state import list_checkpoints
+from lightray import storage
+from lightray.train.state import list_checkpoints
 
 
 class RayTrainContext:
@@ -40,7 +40,7 @@ class RayTrainContext:
         return self._train.get_preemption_info()
 
     def topology(self):
-        from app.train.topology import topology_from_ray
+        from lightray.comm.topology import topology_from_ray
 
         return topology_from_ray()
 
@@ -76,6 +76,16 @@ class LocalContext:
         return None  # no Ray Train controller watches the node; a lost node fails the trial (Tune decides)
 
     def topology(self):
-        from app.train.topology import Topology
+        from lightray.comm.topology import Topology
 
         return Topology.simulated(1, 0, 1)
+
+
+def current_train_run_id() -> str | None:
+    """This worker's Ray Train run id (one per ``fit()``, so one per driver attempt); None outside Ray Train."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return str(get_train_context().train_run_context.run_id)
+    except Exception:  # a run in the driver's own process (app/train/inline.py), or another Train version
+        return None

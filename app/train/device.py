@@ -9,37 +9,17 @@ with :func:`pop_unit_events` and writes them to ``metrics.jsonl`` as ``{"event":
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from typing import Any
 
 import torch
 from torch import nn
 
-from app.config import ConfigError, ModelConfig
-
-log = logging.getLogger("lightray.unit")
-
-# Lines said by the units since the last pop; kept in-process so the worker loop can forward them to
-# metrics.jsonl without every unit needing a handle on the run's writer.
-_UNIT_EVENTS: list[dict[str, Any]] = []
+from lightray.config import ConfigError, ModelConfig
+from lightray.units import pop_unit_events, unit_log  # noqa: F401  (re-exported)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-def unit_log(unit: str, message: str, **fields: Any) -> None:
-    """Record what a speed-up unit did: one log line plus an event for ``metrics.jsonl``."""
-    log.info("[%s] %s", unit, message)
-    if len(_UNIT_EVENTS) < 1000:  # units speak at setup; the cap only guards a process nobody drains
-        _UNIT_EVENTS.append({"unit": unit, "message": message, **fields})
-
-
-def pop_unit_events() -> list[dict[str, Any]]:
-    """The unit events said since the last call (oldest first), clearing the list."""
-    events = list(_UNIT_EVENTS)
-    _UNIT_EVENTS.clear()
-    return events
 
 
 def select_device() -> torch.device:

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from app.config import OptimConfig
-from app.train.device import unit_log, unwrap_model
+from lightray.config import OptimConfig
+from lightray.train.device import unit_log, unwrap_model
 
 
 class ModelEMA:

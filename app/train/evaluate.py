@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from app.config import Config
-from app.train import device as dev
-from app.train.prefetch import DevicePrefetcher
+from lightray.config import Config
+from lightray.train import device as dev
+from lightray.train.prefetch import DevicePrefetcher
 
 
 @torch.no_grad()

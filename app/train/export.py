@@ -17,7 +17,7 @@ import logging
 import time
 from typing import Any
 
-from app import storage
+from lightray import storage
 
 log = logging.getLogger("lightray.export")
 
@@ -49,8 +49,8 @@ def state_from_bytes(data: bytes) -> dict[str, Any]:
 # --- the run's model folder ----------------------------------------------------------------------------
 def describe(cfg: Any, classes: list[str], val_tier: int | None) -> dict[str, Any]:
     """model.json's fixed part: how to rebuild the network and the run's eval preprocessing."""
-    from app.provenance import git_revision
-    from app.train.device import IMAGENET_MEAN, IMAGENET_STD
+    from lightray.provenance import git_revision
+    from lightray.train.device import IMAGENET_MEAN, IMAGENET_STD
 
     eval_res = cfg.schedule.eval_resolution or cfg.schedule.phases[-1].resolution
     return {
@@ -130,7 +130,7 @@ class ModelExporter:
         return self.info
 
     def _write(self, which: str, model: Any, figures: dict[str, Any]) -> bool:
-        from app.train.device import unwrap_model
+        from lightray.train.device import unwrap_model
 
         t0 = time.time()
         try:

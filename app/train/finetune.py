@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from app import storage
-from app.config import ConfigError
+from lightray import storage
+from lightray.config import ConfigError
 
 log = logging.getLogger("lightray.finetune")
 WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
@@ -59,7 +59,7 @@ def read_weights_file(uri: str) -> dict[str, torch.Tensor]:
     except (OSError, FileNotFoundError) as exc:
         raise ConfigError(f"model.pretrained: cannot read {uri} ({exc})") from None
     if uri.split("?")[0].endswith(".safetensors") or data[8:9] == b"{":  # safetensors: u64 length + JSON header
-        from app.train.export import state_from_bytes
+        from lightray.train.export import state_from_bytes
 
         try:
             return state_from_bytes(data)
@@ -132,7 +132,7 @@ def load_pretrained(model: nn.Module, spec: str, arch: str = "") -> dict[str, An
                           f"{arch or type(model).__name__}; are these weights for another architecture?")
     model.load_state_dict(new, strict=False)
     head = ", ".join(reshaped) if reshaped else "none"
-    from app.train.device import unit_log
+    from lightray.train.device import unit_log
 
     unit_log("pretrained", f"loaded {len(loaded)}/{len(own)} tensors from {where}; left at their fresh init "
                            f"(shape differs, e.g. a head for another class count): {head}",
@@ -162,7 +162,7 @@ class HeadWarmup:
         self.backbone = [p for p in model.parameters() if id(p) not in head]
         self.active = epochs > 0 and bool(head)
         self.done = False
-        from app.train.device import unit_log
+        from lightray.train.device import unit_log
 
         if epochs <= 0:
             unit_log("head_warmup", "off (model.head_warmup_epochs=0): every layer trains from the start",

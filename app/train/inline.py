@@ -21,7 +21,7 @@ import datetime
 from collections.abc import Callable
 from typing import Any
 
-from app.data.ingest import PlanDataConfig
+from lightray.data.ingest import PlanDataConfig
 
 
 class InlineTrainer:
@@ -41,8 +41,8 @@ class InlineTrainer:
         import torch
         import torch.distributed as dist
 
-        from app.train.context import LocalContext
-        from app.train.trainer import Trainer
+        from lightray.train.context import LocalContext
+        from lightray.train.trainer import Trainer
 
         built = {name: make() for name, make in self.datasets.items()}  # at the resume point, like a group start
         shards = self.data_config.configure(built, world_size=1, worker_handles=None, worker_node_ids=None)[0]

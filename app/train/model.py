@@ -14,9 +14,9 @@ import torchvision
 from torch import nn
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
-from app.config import TIMM_PREFIX, ModelConfig, check_arch
-from app.train.device import unit_log, unwrap_model  # noqa: F401  (re-exported)
-from app.train.global_bn import convert_to_global_bn
+from lightray.comm.global_bn import convert_to_global_bn
+from lightray.config import TIMM_PREFIX, ModelConfig, check_arch
+from lightray.train.device import unit_log, unwrap_model  # noqa: F401  (re-exported)
 
 
 class TinyResNet(nn.Module):
@@ -164,7 +164,7 @@ def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
     n_params = sum(p.numel() for p in model.parameters())
     unit_log("model", f"{cfg.arch}: {n_params / 1e6:.2f}M parameters, {num_classes} classes", params=n_params)
     if getattr(cfg, "pretrained", ""):
-        from app.train.finetune import load_pretrained
+        from lightray.train.finetune import load_pretrained
 
         load_pretrained(model, cfg.pretrained, cfg.arch)
     return model
@@ -173,7 +173,7 @@ def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
 def to_device(model: nn.Module, device: torch.device, cfg: ModelConfig) -> nn.Module:
     """Move ``model`` to ``device``, in channels_last memory when ``cfg.channels_last`` is on.
 
-    Inputs must then be channels_last too (``app.train.device.images_to_device`` does that) or every
+    Inputs must then be channels_last too (``lightray.train.device.images_to_device`` does that) or every
     conv pays a layout conversion.
     """
     model = model.to(device)

@@ -11,7 +11,7 @@
   learning rate outside the momentum buffer (as torch's SGD does) where the LARS paper puts it inside;
   the two agree whenever the LR is constant between steps and differ only by how a changing LR
   reaches past momentum.
-* The learning rate and momentum come from ``app.schedule.Schedule`` and are written into the optimiser
+* The learning rate and momentum come from ``lightray.schedule.Schedule`` and are written into the optimiser
   before every step by :func:`set_lr_momentum`; what the optimiser was built with does not matter.
 """
 
@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from app.config import OptimConfig
-from app.train.device import unit_log
+from lightray.config import OptimConfig
+from lightray.train.device import unit_log
 
 # Parameters of these modules never get weight decay (they set scale and shift, not features).
 _NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.modules.instancenorm._InstanceNorm)

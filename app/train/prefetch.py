@@ -10,7 +10,7 @@ the loader thread is at most one batch further.
 
 Only the arrays the step uses on the device (:data:`DEVICE_KEYS`) move; ids and epochs stay NumPy for the
 host's checks and the sample log. A device-decode batch (``jpeg``) passes through untouched: its bytes are
-decoded on the device from host memory (``app.data.device_decode``). On the CPU there is nothing to pin or
+decoded on the device from host memory (``lightray.data.device_decode``). On the CPU there is nothing to pin or
 copy: the arrays become tensors over the same memory and the thread only keeps the order.
 """
 

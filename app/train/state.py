@@ -29,14 +29,12 @@ import json
 import logging
 import re
 from dataclasses import asdict, dataclass
-from typing import Any
 
-import numpy as np
 import torch
 
-from app import storage
-from app.config import ConfigError
-from app.storage import join, read_bytes, write_bytes
+from lightray import storage
+from lightray.config import ConfigError
+from lightray.storage import join, read_bytes, write_bytes
 
 log = logging.getLogger(__name__)
 CKPT_RE = re.compile(r"^checkpoint_(\d{12})$")
@@ -170,17 +168,3 @@ def load_rank_state(folder: str, rank: int, *, allow_pickle: bool = False) -> di
     fmt = check_checkpoint_format(folder, storage.read_json(join(folder, f"meta_rank{rank}.json")), allow_pickle)
     data = read_bytes(join(folder, f"state_rank{rank}.pt"))
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=fmt >= CHECKPOINT_FORMAT)
-
-
-def numpy_rng_to_plain(state: tuple) -> dict[str, Any]:
-    """NumPy's ``RandomState.get_state()`` tuple as a tensor and plain numbers (a pickled array would stop
-    ``weights_only=True`` loading it)."""
-    kind, keys, pos, has_gauss, gauss = state
-    return {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys).astype(np.int64)), "pos": int(pos),
-            "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)}
-
-
-def numpy_rng_from_plain(d: dict[str, Any]) -> tuple:
-    """The ``set_state`` tuple of ``numpy_rng_to_plain``'s dict (its tensor may sit on any device)."""
-    keys = d["keys"].detach().cpu().numpy().astype(np.uint32)
-    return d["kind"], keys, int(d["pos"]), int(d["has_gauss"]), float(d["cached_gaussian"])

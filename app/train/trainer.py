@@ -26,37 +26,36 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from app import storage
-from app.config import Config, Phase, config_from_dict
-from app.data import device_decode
-from app.data.plan import rank_slice
-from app.data.spec import IngestSpec
-from app.report.runlog import get_runlog
-from app.schedule import Position, Schedule
-from app.storage import join
-from app.train import accumulate
-from app.train import device as dev
-from app.train.agreement import agree
-from app.train.comm import CommHook
-from app.train.ema import ModelEMA
-from app.train.evaluate import evaluate as evaluate_split
-from app.train.export import ModelExporter
-from app.train.finetune import HeadWarmup
-from app.train.fusion import choose_bucket_mb
-from app.train.model import build_model, to_device
-from app.train.optim import build_loss, build_optimizer, clip_gradients, set_lr_momentum
-from app.train.prefetch import DevicePrefetcher
-from app.train.stale_runs import current_train_run_id
-from app.train.state import (
+from lightray import storage
+from lightray.comm.fusion import choose_bucket_mb
+from lightray.comm.hook import CommHook
+from lightray.comm.topology import Topology
+from lightray.config import Config, Phase, config_from_dict
+from lightray.data import device_decode
+from lightray.data.plan import rank_slice
+from lightray.data.spec import IngestSpec
+from lightray.plain_rng import numpy_rng_from_plain, numpy_rng_to_plain
+from lightray.report.runlog import get_runlog
+from lightray.schedule import Position, Schedule
+from lightray.storage import join
+from lightray.train import accumulate
+from lightray.train import device as dev
+from lightray.train.agreement import agree
+from lightray.train.context import current_train_run_id
+from lightray.train.ema import ModelEMA
+from lightray.train.evaluate import evaluate as evaluate_split
+from lightray.train.export import ModelExporter
+from lightray.train.finetune import HeadWarmup
+from lightray.train.model import build_model, to_device
+from lightray.train.optim import build_loss, build_optimizer, clip_gradients, set_lr_momentum
+from lightray.train.prefetch import DevicePrefetcher
+from lightray.train.state import (
     ResumePoint,
     checkpoint_name,
     load_rank_state,
-    numpy_rng_from_plain,
-    numpy_rng_to_plain,
     read_recorded_resume,
     save_rank_state,
 )
-from app.train.topology import Topology
 
 RANK_KEYS = ("comm", "rng")  # every rank's own part of a checkpoint; the rest is rank 0's replicated state
 
@@ -159,7 +158,7 @@ class Trainer:
                  ctx: Any = None):
         self.cfg, self.spec, self.run_dir = cfg, spec, run_dir
         self.rank, self.world = rank, world
-        self.ctx = ctx  # app.train.context: Ray Train's worker context, or a one-worker run in this process
+        self.ctx = ctx  # lightray.train.context: Ray Train's worker context, or a one-worker run in this process
         self.report = report if report is not None else RunLogReporter(cfg.name, rank)
         self.t_start = time.time()
         self._build_model(num_classes, topology)
@@ -184,7 +183,7 @@ class Trainer:
     @classmethod
     def from_train_config(cls, config: dict, ctx: Any = None) -> Trainer:
         """The trainer of the calling worker, from ``train_loop_config``; ``ctx`` defaults to Ray Train's."""
-        from app.train.context import RayTrainContext
+        from lightray.train.context import RayTrainContext
 
         ctx = ctx or RayTrainContext()
         return cls(config_from_dict(config["cfg"]), config["spec"], config["run_dir"], config["num_classes"],

@@ -6,7 +6,7 @@ resumes from the checkpoint chosen for the start and trains the rest of the sche
 
 from __future__ import annotations
 
-from app.train.trainer import PreemptedError, Trainer
+from lightray.train.trainer import PreemptedError, Trainer
 
 __all__ = ["PreemptedError", "train_loop_per_worker"]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from app.tune.space import TIME_METRIC
+from lightray.tune.space import TIME_METRIC
 
 REACHED = "reached_target"
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import yaml
 
-from app.config import config_from_dict
-from app.tune.space import SearchSpace, parse_space
+from lightray.config import config_from_dict
+from lightray.tune.space import SearchSpace, parse_space
 
 log = logging.getLogger("lightray.tune")
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from app.config import Config
-from app.schedule import Schedule, resolve, warmup_epochs
-from app.tune.space import GLOBAL_BATCH, SearchSpace, apply_params
+from lightray.config import Config
+from lightray.schedule import Schedule, resolve, warmup_epochs
+from lightray.tune.space import GLOBAL_BATCH, SearchSpace, apply_params
 
 TIME_ATTR = "samples_seen"
 

@@ -26,15 +26,15 @@ from typing import Any, TextIO
 import yaml
 from ray import tune
 
-from app.config import Config, ConfigError, config_from_dict
-from app.train import driver_guard
-from app.tune.free import FreeTrialResources, PlacementGroupRecorder
-from app.tune.objective import REACHED, Objective, TrialReportCallback
-from app.tune.report import fmt_value as _fmt
-from app.tune.report import importances, write_search_report
-from app.tune.rungs import TIME_ATTR, make_asha, rung_milestones, stop_rung
-from app.tune.shared import SharedStart, build_shared
-from app.tune.space import (
+from lightray.config import Config, ConfigError, config_from_dict
+from lightray.driver import guard as driver_guard
+from lightray.tune.free import FreeTrialResources, PlacementGroupRecorder
+from lightray.tune.objective import REACHED, Objective, TrialReportCallback
+from lightray.tune.report import fmt_value as _fmt
+from lightray.tune.report import importances, write_search_report
+from lightray.tune.rungs import TIME_ATTR, make_asha, rung_milestones, stop_rung
+from lightray.tune.shared import SharedStart, build_shared
+from lightray.tune.space import (
     SearchSpace,
     apply_params,
     base_for_trials,
@@ -44,8 +44,8 @@ from app.tune.space import (
     resolve_space_path,
     trial_runner,
 )
-from app.tune.trial_startup import TRIAL_START_FILE, trial_startup
-from app.tune.trial_startup import summarize as summarize_startup
+from lightray.tune.trial_startup import TRIAL_START_FILE, trial_startup
+from lightray.tune.trial_startup import summarize as summarize_startup
 
 log = logging.getLogger("lightray.tune")
 
@@ -72,9 +72,9 @@ def run_trial(config: dict[str, Any], *, base: dict[str, Any], exp_dir: str, obj
     """Tune trial function: one lightray run with the sampled values, reporting through the callback.
     With ``shared`` the run skips the prepare, the decode and the calibration the experiment did once.
     With ``inline`` its one worker trains in this process and reports to Tune itself (no worker group)."""
-    from app import storage
-    from app.train.runner import run_training
-    from app.train.state import list_checkpoints
+    from lightray import storage
+    from lightray.driver.runner import run_training
+    from lightray.train.state import list_checkpoints
 
     started = time.time()  # the trial's clock for its start-up breakdown (the actor process may be older)
     trial_id = tune.get_context().get_trial_id()
@@ -168,7 +168,7 @@ class ConsoleLines(tune.Callback):
 
 # --- the experiment ---------------------------------------------------------------------------------------
 def _resolve_experiment(cfg: Config, space_arg: str | None, resume: bool) -> tuple[pathlib.Path, str]:
-    from app.train.runner import default_storage
+    from lightray.driver.runner import default_storage
 
     storage = cfg.storage or default_storage()
     if "://" in storage:
@@ -188,7 +188,7 @@ def _resolve_experiment(cfg: Config, space_arg: str | None, resume: bool) -> tup
 
 def _prepare_base(cfg: Config, storage: str) -> Config:
     """The config every trial starts from: shared shard cache, no run name of its own."""
-    from app.data.prepare import resolve_cache_root
+    from lightray.data.prepare import resolve_cache_root
 
     base = config_from_dict(cfg.to_dict())
     base.storage, base.name = storage, ""
@@ -228,7 +228,7 @@ def _scheduler(space: SearchSpace, rungs: dict[str, Any]):
 
     if space.scheduler == "fifo":
         return FIFOScheduler()
-    return make_asha(space, rungs)  # rungs in samples seen, at phase boundaries (app.tune.rungs)
+    return make_asha(space, rungs)  # rungs in samples seen, at phase boundaries (lightray.tune.rungs)
 
 
 def _stop(space: SearchSpace) -> dict[str, float] | None:
@@ -315,9 +315,9 @@ def _start_cluster(cfg: Config, trial_base: Config, sp: SearchSpace, exp_dir: pa
     Returns how many trials run at once and the prepared manifest."""
     import ray
 
-    from app.data.manifest import Manifest
-    from app.data.prepare import prepare_main
-    from app.train.runner import connect_ray
+    from lightray.data.manifest import Manifest
+    from lightray.data.prepare import prepare_main
+    from lightray.driver.runner import connect_ray
 
     started_here = connect_ray(trial_base, bool(cfg.report.verbose), dashboard=True)
     # Should Ray end this driver (the cluster gone), its guardian says so and prints the --resume command.
@@ -338,7 +338,7 @@ def _tuner(trial_base: Config, sp: SearchSpace, exp_dir: pathlib.Path, storage: 
            verbose: int, out: TextIO, shared: SharedStart | None, rungs: dict[str, Any],
            inline: bool = False) -> tune.Tuner:
     """A new Tuner, or on ``resume`` the experiment's own restored from its folder."""
-    from app.train.runner import gpu_wanted
+    from lightray.driver.runner import gpu_wanted
 
     objective = {"kind": sp.objective, "metric": sp.metric, "target": sp.target}
     trainable = tune.with_resources(
@@ -437,9 +437,9 @@ def summarize_ended_trials(records: list[dict[str, Any]]) -> int:
     while the trial waits inside ``tune.report``: the run's own end, which writes summary.json, never comes.
     Its status here is "stopped" with ``stopped_by`` (Tune's state and the rung), or "failed" with Tune's
     error. Returns how many were written."""
-    from app.report.summary import write_summary_from_files
-    from app.train.billing import read_billing
-    from app.train.runner import gpu_wanted
+    from lightray.driver.billing import read_billing
+    from lightray.driver.runner import gpu_wanted
+    from lightray.report.summary import write_summary_from_files
 
     written = 0
     for r in records:
@@ -494,7 +494,7 @@ def write_outputs(exp_dir: pathlib.Path, sp: SearchSpace, trial_base: Config,
         log.warning("search report failed: %s", exc)
         out["search_report"] = None
     try:
-        from app.report.markdown import make_report
+        from lightray.report.markdown import make_report
 
         out["report"] = str(make_report(str(exp_dir)))
     except Exception as exc:  # the search's own outputs stand without the markdown report

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.config import Config
+from lightray.config import Config
 
 
 @dataclass
@@ -35,10 +35,10 @@ def build_shared(trial_base: Config) -> SharedStart:
     """Prepare, materialise and calibrate once for ``trial_base`` (Ray must be up); see the module doc."""
     import ray
 
-    from app.data.ingest import tier_key
-    from app.data.manifest import Manifest
-    from app.data.prepare import prepare_main
-    from app.train.runner import build_ingest_spec
+    from lightray.data.ingest import tier_key
+    from lightray.data.manifest import Manifest
+    from lightray.data.prepare import prepare_main
+    from lightray.driver.runner import build_ingest_spec
 
     location = str(prepare_main(trial_base))
     spec, _ = build_ingest_spec(trial_base, Manifest.load(location))

@@ -45,6 +45,7 @@ distribution that does not fit the key's type raises ``ConfigError`` naming the 
 from __future__ import annotations
 
 import copy
+import importlib.resources
 import math
 import pathlib
 from dataclasses import dataclass, field
@@ -52,7 +53,7 @@ from typing import Any
 
 import yaml
 
-from app.config import Config, ConfigError, coerce_scalar, config_from_dict, key_type, set_dotted
+from lightray.config import Config, ConfigError, coerce_scalar, config_from_dict, key_type, set_dotted
 
 GLOBAL_BATCH = "global_batch"
 LR_RULE = "lr_rule"
@@ -63,7 +64,8 @@ TRIAL_RUNNERS = ("auto", "inline", "train")
 SCHEDULERS = ("asha", "fifo")
 SEARCHERS = ("tpe", "random")
 TIME_METRIC = "time_to_target_s"
-SPACES_DIR = pathlib.Path(__file__).resolve().parents[2] / "tune_spaces"
+# tune_spaces/ of the checkout, installed as the package data lightray.spaces: found without the repository.
+SPACES_DIR = pathlib.Path(str(importlib.resources.files("lightray.spaces")))
 TOP_KEYS = ("objective", "metric", "mode", "target", "trials", "concurrent", "budget", "scheduler", "searcher",
             "study_storage", "share_startup", "trial_runner", "fixed", "params")
 
@@ -115,7 +117,7 @@ class SearchSpace:
     budget_time_s: float = 0.0
     budget_total_s: float = 0.0  # the experiment's wall-clock budget (Tune's time_budget_s); 0 = none
     scheduler: str = "asha"
-    grace_period: int = 0  # epochs; 0 = from the recipe (see app.tune.rungs)
+    grace_period: int = 0  # epochs; 0 = from the recipe (see lightray.tune.rungs)
     reduction_factor: float = 2.0
     brackets: int = 1
     searcher: str = "tpe"

@@ -2,7 +2,7 @@
 
 A trial writes ``trial_start.json`` (the moment its function began) before its run starts; the run writes
 ``startup.json`` (driver-side phases: data prepare, materialisation, calibration, trainer set-up) and
-``metrics.jsonl`` (the worker group's ``start`` and the ``first_step`` events). ``app.startup.breakdown``
+``metrics.jsonl`` (the worker group's ``start`` and the ``first_step`` events). ``lightray.startup.breakdown``
 joins them into contiguous seconds per phase from the trial's own start, so a search can say which step a
 slow trial spent its start in, and ``summarize`` gives the median of each phase over the trials.
 """
@@ -13,14 +13,14 @@ import os
 import statistics
 from typing import Any
 
-from app import startup
+from lightray import startup
 
 TRIAL_START_FILE = "trial_start.json"
 
 
 def trial_startup(run_dir: str) -> dict[str, Any] | None:
     """``{first_step_s, phases_s, shared}`` of one trial, or None when the run left too little to tell."""
-    from app.storage import read_json, read_jsonl
+    from lightray.storage import read_json, read_jsonl
 
     try:
         mark = read_json(os.path.join(run_dir, TRIAL_START_FILE))

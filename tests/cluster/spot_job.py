@@ -28,8 +28,8 @@ import torch.distributed as dist  # noqa: E402
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig  # noqa: E402
 from ray.train.torch import TorchTrainer  # noqa: E402
 
-from app.config import CostConfig  # noqa: E402
-from app.report.cost import estimate_cost  # noqa: E402
+from lightray.config import CostConfig  # noqa: E402
+from lightray.report.cost import estimate_cost  # noqa: E402
 
 # The node label that the cluster file puts on every worker machine (its key in cost.price_per_hour).
 PRICE_LABEL = "lightray-price-key"

@@ -366,15 +366,18 @@ def image_problems(spec: dict[str, Any], where: str, ray_series: str, version: s
 # -- the RayJob -----------------------------------------------------------------------------------------
 def entrypoint_config(entrypoint: str):
     """(args, Config) of a RayJob entrypoint, parsed by lightray's own CLI; raises ValueError naming the problem."""
-    from app.cli import build_parser, config_from_args
-    from app.config import ConfigError
+    from lightray.cli import build_parser, config_from_args, split_command
+    from lightray.config import ConfigError
 
     argv = shlex.split(entrypoint)
     scripts = project()["project"].get("scripts") or {}
     if not argv or argv[0] not in scripts:
         raise ValueError(f"entrypoint starts with {argv[:1]}; expected the installed console script "
                          f"{sorted(scripts)} (the image holds the package, not the checkout)")
-    args, rest = build_parser().parse_known_args(argv[1:])
+    command, argv = split_command(argv[1:])
+    if command != "train":
+        raise ValueError(f"entrypoint runs `lightray {command}`; expected `lightray train`")
+    args, rest = build_parser(command).parse_known_args(argv)
     try:
         return args, config_from_args(args, rest)
     except ConfigError as exc:

@@ -8,7 +8,7 @@ owner lives; a lock whose owner is gone is taken over with a warning:
 - same host: the pid no longer runs (or runs a process started after the lock was taken: pid reuse);
 - another host (the pid cannot be checked there): the heartbeat is older than ``stale_after_s``.
 
-Taking, refreshing and removing the lock are compare-and-swap operations (app/train/lock_store.py): a create
+Taking, refreshing and removing the lock are compare-and-swap operations (app/driver/lock_store.py): a create
 that fails when a lock is there (S3's ``If-None-Match: *``, a hard link on a disk), and a heartbeat, take-over
 or release that acts only on the very lock this driver last saw (``If-Match``). Of two drivers started at the
 same instant exactly one takes the run, and a driver whose lock was taken from it (its heartbeat stalled past
@@ -27,8 +27,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from app import storage
-from app.train.lock_store import lock_store
+from lightray import storage
+from lightray.driver.lock_store import lock_store
 
 log = logging.getLogger("lightray")
 LOCK_NAME = "driver.lock"

@@ -1,6 +1,6 @@
 """Deep Gradient Compression's accuracy techniques (Lin et al. 2018, section 3.2), as pure functions.
 
-The communication hook (``app.train.comm``) applies them per bucket; each is switched by a
+The communication hook (``lightray.comm.hook``) applies them per bucket; each is switched by a
 ``comm.*`` key and reported by the hook:
 
 - momentum correction (``comm.momentum_correction``): each worker accumulates its local velocity

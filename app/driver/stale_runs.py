@@ -24,16 +24,6 @@ COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")  # name, name
 CALL_TIMEOUT_S = 10.0
 
 
-def current_train_run_id() -> str | None:
-    """This worker's Ray Train run id (one per ``fit()``, so one per driver attempt); None outside Ray Train."""
-    try:
-        from ray.train.v2._internal.execution.context import get_train_context
-
-        return str(get_train_context().train_run_context.run_id)
-    except Exception:  # a run in the driver's own process (app/train/inline.py), or another Train version
-        return None
-
-
 def recorded_run_ids(records: list[dict[str, Any]]) -> list[str]:
     """The Train run ids of the start and restart records of a run's metrics, oldest first, each once."""
     ids = [r.get("train_run_id") for r in records if r.get("event") in ("start", "restart")]

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from app.train.compress import INDEX_BLOCK, k_for, pack, quantize, select
+from lightray.comm.compress import INDEX_BLOCK, k_for, pack, quantize, select
 
 PAIR_BYTES = 8  # a (fp32 value, int32 index) pair, as the hook packs it with comm.payload=fp32
 COMPACT_ENTRY_BYTES = 4  # fp16 value + 16-bit index offset (comm.payload=compact), plus an int32 count per block

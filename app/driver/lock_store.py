@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from urllib.parse import urlsplit
 
-from app import storage
+from lightray import storage
 
 log = logging.getLogger("lightray")
 

@@ -19,9 +19,9 @@ from typing import Any
 import ray
 import yaml
 
-from app import startup
-from app.config import Config, ConfigError, default_eval_resolution
-from app.data.ingest import (
+from lightray import startup
+from lightray.config import Config, ConfigError, default_eval_resolution
+from lightray.data.ingest import (
     IngestSpec,
     PhaseSpec,
     add_eval_sweep,
@@ -31,11 +31,12 @@ from app.data.ingest import (
     tier_shards,
     val_dataset,
 )
-from app.data.shard_cache import default_local_dir
-from app.schedule import Schedule
-from app.storage import join, write_bytes
-from app.train import driver_guard, placement
-from app.train.state import check_checkpoint_format, choose_and_record_resume, list_checkpoints, newest_meta
+from lightray.data.shard_cache import default_local_dir
+from lightray.driver import guard as driver_guard
+from lightray.driver import placement
+from lightray.schedule import Schedule
+from lightray.storage import join, write_bytes
+from lightray.train.state import check_checkpoint_format, choose_and_record_resume, list_checkpoints, newest_meta
 
 log = logging.getLogger("lightray")
 def default_storage() -> str:
@@ -59,7 +60,7 @@ def resolve_run(cfg: Config, resume: bool = False) -> None:
 def newest_run(storage_path: str) -> str | None:
     """The run in ``storage_path`` (a folder or a URI such as s3://) that started last: every start writes its
     ``config.yaml``, so the newest one names it. None when no folder there holds one (the shard cache does not)."""
-    from app.storage import FileType, list_dir, resolve_fs
+    from lightray.storage import FileType, list_dir, resolve_fs
 
     fs, base = resolve_fs(storage_path)  # one filesystem for the listing and every run's config.yaml
     folders = [e.path for e in list_dir(base, detail=True, fs=fs) if e.type == FileType.Directory]
@@ -92,7 +93,7 @@ def connect_ray(cfg: Config, verbose: bool = False, dashboard: bool = False) -> 
         return False
     kwargs: dict[str, Any] = {"log_to_driver": verbose, "include_dashboard": dashboard}
     try:
-        from app.report.progress import quiet_ray_logging
+        from lightray.report.progress import quiet_ray_logging
 
         kwargs.update(quiet_ray_logging(verbose))
     except ImportError:
@@ -189,12 +190,12 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
     worker in this process instead of a Ray Train worker group (app/train/inline.py; a search's one-worker
     trials); ``on_report`` then gets the metrics of each checkpoint report, as ``callbacks`` would. A second
     driver on a run that a live driver holds raises RunLockedError (a FileExistsError: exit status 2)."""
-    from app.train.run_lock import RunLock
+    from lightray.driver.run_lock import RunLock
 
     # The worker code (torch, torchvision, torch._dynamo) is imported first, while the working directory
     # exists: torch._dynamo reads os.getcwd() at import, and a Ray job's driver can lose its working
     # directory (the unpacked working_dir package) once Ray is up, which failed the job at trainer build.
-    from app.train.worker import train_loop_per_worker  # noqa: F401
+    from lightray.train.worker import train_loop_per_worker  # noqa: F401
 
     resolve_run(cfg, resume)
     # Before anything else touches the run folder: a second driver must not even check its checkpoints.
@@ -207,10 +208,10 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
 def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, stream, callbacks: list | None,
                 manifest_at: str | None = None, shared_tiers: dict[str, list] | None = None,
                 lock=None, inline: bool = False, on_report=None) -> dict[str, Any]:
-    from app.data.manifest import Manifest
-    from app.data.prepare import prepare_main
-    from app.report.record_sync import RecordSync
-    from app.report.runlog import RunLogWriter, start_runlog
+    from lightray.data.manifest import Manifest
+    from lightray.data.prepare import prepare_main
+    from lightray.report.record_sync import RecordSync
+    from lightray.report.runlog import RunLogWriter, start_runlog
 
     run_dir, local_run_dir = _open_run_dir(cfg, resume)
     t0 = time.time()
@@ -223,7 +224,7 @@ def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, str
         print(f"lightray: {describe_cluster(started_here)}", file=stream or sys.stdout, flush=True)
     if not started_here:  # a cluster that an earlier driver of this run used: free what that driver still books
         _release_dead_runs(cfg, local_run_dir, stream or sys.stdout)
-    from app.train.billing import NodeMeter
+    from lightray.driver.billing import NodeMeter
 
     meter = NodeMeter(run_dir, cfg.cost.node_type).start()  # every attempt's machine time, kept outside checkpoints
     known: dict[str, Any] = {"own_cluster": started_here}  # what a summary written on a cluster loss can say
@@ -268,9 +269,9 @@ def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, str
 
 
 def _release_dead_runs(cfg: Config, local_run_dir: str, stream) -> None:
-    """app/train/stale_runs.py: a resumed run should not wait minutes for its dead drivers' bookings to lapse."""
-    from app.report.progress import MetricsFileError, read_metrics
-    from app.train.stale_runs import recorded_run_ids, release_bookings
+    """app/driver/stale_runs.py: a resumed run should not wait minutes for its dead drivers' bookings to lapse."""
+    from lightray.driver.stale_runs import recorded_run_ids, release_bookings
+    from lightray.report.progress import MetricsFileError, read_metrics
 
     try:
         records = read_metrics(os.path.join(local_run_dir, "metrics.jsonl"))[0]
@@ -291,11 +292,11 @@ def _release_dead_runs(cfg: Config, local_run_dir: str, stream) -> None:
 def _watch_cluster(cfg: Config, run_dir: str, local_run_dir: str, t0: float, meter, known: dict[str, Any],
                    lock) -> Any:
     """Watch the cluster's GCS for the whole run: when it is lost, write summary.json (failed, the cause),
-    say so, print the resume command and exit (app/train/cluster_loss.py)."""
-    from app.train.cluster_loss import ClusterLostError, ClusterWatch, report_and_exit
+    say so, print the resume command and exit (app/driver/cluster_loss.py)."""
+    from lightray.driver.cluster_loss import ClusterLostError, ClusterWatch, report_and_exit
 
     def write(error: ClusterLostError) -> None:
-        from app.report.summary import write_summary_from_files
+        from lightray.report.summary import write_summary_from_files
 
         billing = meter.flush()  # no last sample: it asks the cluster that is gone
         try:  # what the run wrote so far; the same summary the driver's guardian writes (driver_guard.py)
@@ -310,7 +311,7 @@ def _watch_cluster(cfg: Config, run_dir: str, local_run_dir: str, t0: float, met
 
 
 def _tell_guardian(cfg: Config, run_dir: str, local_run_dir: str, t0: float, known: dict[str, Any]) -> None:
-    """What the driver's guardian (app/train/driver_guard.py) needs to write summary.json, should Ray end this
+    """What the driver's guardian (app/driver/guard.py) needs to write summary.json, should Ray end this
     process without a word: what the cluster-loss handler above knows, and the run."""
     driver_guard.tell_run({"name": cfg.name, "storage": cfg.storage, "run_dir": run_dir,
                            "local_run_dir": local_run_dir, "t0": t0, "config": cfg.to_dict(), **known})
@@ -329,7 +330,7 @@ def _check_placement(cfg: Config, use_gpu: bool, started_here: bool, stream) -> 
 
 def _open_run_dir(cfg: Config, resume: bool) -> tuple[str, str]:
     """(run folder, its local mirror for logs); a new run may not reuse a folder that has checkpoints."""
-    from app.report.record_sync import mirror_dir, pull
+    from lightray.report.record_sync import mirror_dir, pull
 
     run_dir = join(cfg.storage, cfg.name)
     local_run_dir = mirror_dir(run_dir, cfg.name)
@@ -347,7 +348,7 @@ def _open_run_dir(cfg: Config, resume: bool) -> tuple[str, str]:
 
 def fit_to_source(cfg: Config, manifest, stream=None) -> dict[str, Any]:
     """Fit the recipe to the source's native size (app/data/native.py), in place; print what changed and why."""
-    from app.data import native
+    from lightray.data import native
 
     size = manifest.native_short_side
     changes = native.fit_schedule(cfg, size)
@@ -393,8 +394,8 @@ def _build_trainer(cfg: Config, run_dir: str, spec: IngestSpec, sched: Schedule,
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from app.data.ingest import PlanDataConfig
-    from app.train.worker import train_loop_per_worker
+    from lightray.data.ingest import PlanDataConfig
+    from lightray.train.worker import train_loop_per_worker
 
     lo, hi = cfg.worker_range()
     return TorchTrainer(
@@ -429,8 +430,8 @@ def _datasets(run_dir: str, spec: IngestSpec, sched: Schedule) -> dict[str, Any]
 def _build_inline(cfg: Config, run_dir: str, spec: IngestSpec, sched: Schedule, num_classes: int, on_report,
                   log: Callable[[dict[str, Any]], None]):
     """The run's one worker in this process (app/train/inline.py), with the same datasets and data config."""
-    from app.data.ingest import PlanDataConfig
-    from app.train.inline import InlineTrainer
+    from lightray.data.ingest import PlanDataConfig
+    from lightray.train.inline import InlineTrainer
 
     lo, hi = cfg.worker_range()
     if (lo, hi) != (1, 1):
@@ -446,7 +447,7 @@ def _ray_storage(storage_path: str) -> dict[str, Any]:
     """RunConfig storage arguments: an object-store URI goes to Ray Train as the same pyarrow filesystem our
     own storage uses (its endpoint and options, delayed open: Ray's writes of empty marker files otherwise go
     up as empty multipart uploads, which S3-compatible servers may reject)."""
-    from app.storage import is_uri, resolve_fs
+    from lightray.storage import is_uri, resolve_fs
 
     if not is_uri(storage_path):
         return {"storage_path": storage_path}
@@ -460,11 +461,11 @@ def _fit(trainer, cfg: Config, local_run_dir: str, flush_log: Callable[[], Any],
     """Run the trainer to its end with the progress printer (to ``stream``; None = off) and the spot-notice
     watchers around it; returns (the error it ended with, the watchers' statuses). ``waiting`` None: no
     worker group to place and no notices to act on (a run in this process), so neither helper runs."""
-    from app.train.spot_watcher import WatcherKeeper, watcher_statuses
+    from lightray.driver.spot_watcher import WatcherKeeper, watcher_statuses
 
     printer = None
     if stream is not None:
-        from app.report.progress import ProgressPrinter
+        from lightray.report.progress import ProgressPrinter
 
         printer = ProgressPrinter(local_run_dir, stream=stream, every_s=cfg.report.progress_every_s).start()
     # One spot-notice watcher per (GPU) node, kept up to date as spot replacements join.
@@ -492,8 +493,8 @@ def _fit(trainer, cfg: Config, local_run_dir: str, flush_log: Callable[[], Any],
 def _write_result(cfg: Config, run_dir: str, local_run_dir: str, t0: float, sched: Schedule, use_gpu: bool,
                   error: Exception | None, spot: list[dict], billing: dict | None = None) -> dict[str, Any]:
     """Write summary.json from the run's metrics; re-raise the run's error after writing it."""
-    from app.report.progress import MetricsFileError, read_metrics
-    from app.report.summary import write_summary
+    from lightray.report.progress import MetricsFileError, read_metrics
+    from lightray.report.summary import write_summary
 
     try:
         records = read_metrics(os.path.join(local_run_dir, "metrics.jsonl"))[0]

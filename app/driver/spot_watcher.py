@@ -12,7 +12,7 @@ same step on every rank before the machine goes.
 The watcher never takes the run down: a metadata endpoint that is unreachable, slow or answers nonsense is
 retried on the next poll and the error is counted in ``status()``.
 
-Check that a node can reach its metadata service: ``python -m app.train.spot_watcher --once``.
+Check that a node can reach its metadata service: ``python -m lightray.driver.spot_watcher --once``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import urllib.request
 from datetime import datetime, timezone
 from typing import Any
 
-from app.config import ConfigError, ScalingConfig
+from lightray.config import ConfigError, ScalingConfig
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ import sys
 import time
 from typing import Any
 
-from app.train.cluster_loss import EXIT_CLUSTER_LOST
+from lightray.driver.cluster_loss import EXIT_CLUSTER_LOST
 
 GUARD_ENV = "LIGHTRAY_DRIVER_GUARD"
 _PR_SET_PDEATHSIG = 1
@@ -207,7 +207,7 @@ def _how(code: int) -> str:
 def lost_cause(run: dict[str, Any], code: int, settle_s: float = SETTLE_S, every_s: float = 0.5) -> str | None:
     """Why the cluster counts as lost, or None when the GCS and the driver's raylet both kept answering for
     ``settle_s``: Ray may end the driver a moment before a stopping node closes its ports."""
-    from app.train.cluster_loss import gcs_reachable
+    from lightray.driver.cluster_loss import gcs_reachable
 
     gcs, raylet = run.get("gcs_address"), run.get("raylet_address")
     ended = f"the driver ended ({_how(code)})"
@@ -228,7 +228,7 @@ def speak_for(run: dict[str, Any], code: int, cause: str | None) -> int:
     """Guardian side, once the child failed with its cluster gone (``cause``) or died without a word from
     Python: summary.json (failed, the cause), the lines that say so, the run lock released; returns the
     status to exit with."""
-    from app.train.cluster_loss import ClusterLostError, announce_stop
+    from lightray.driver.cluster_loss import ClusterLostError, announce_stop
 
     tune = run.get("kind") == "tune"
     if cause is not None:
@@ -253,9 +253,9 @@ class DriverDiedError(RuntimeError):
 
 def write_failed_summary(run: dict[str, Any], error: Exception) -> None:
     """summary.json for a run whose driver is gone, from what the run wrote: its config, metrics and bill."""
-    from app.config import config_from_dict
-    from app.report.summary import write_summary_from_files
-    from app.train.billing import read_billing
+    from lightray.config import config_from_dict
+    from lightray.driver.billing import read_billing
+    from lightray.report.summary import write_summary_from_files
 
     billing = read_billing(run["run_dir"])
     write_summary_from_files(config_from_dict(run["config"]), run["run_dir"], run["local_run_dir"],
@@ -266,8 +266,8 @@ def write_failed_summary(run: dict[str, Any], error: Exception) -> None:
 
 def _release_lock(run_dir: str) -> None:
     """Remove the run lock the dead child took in this guardian's name, so the resume command finds none."""
-    from app import storage
-    from app.train.run_lock import LOCK_NAME, read_holder
+    from lightray import storage
+    from lightray.driver.run_lock import LOCK_NAME, read_holder
 
     try:
         holder = read_holder(run_dir)

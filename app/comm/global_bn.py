@@ -2,7 +2,7 @@
 
 Plain BatchNorm normalises each worker's share of the batch, so the same recipe takes different steps
 on 1, 2 or 3 workers: the share changes with the worker count, and with an uneven split
-(``app.data.plan.rank_slice``) it even differs between ranks. ``GlobalBatchNorm2d`` computes each
+(``lightray.data.plan.rank_slice``) it even differs between ranks. ``GlobalBatchNorm2d`` computes each
 layer's statistics over the whole global batch: every rank all-reduces its per-channel sums, so the
 normalisation, the gradient (the all-reduce is differentiable) and the running statistics are those of
 the single-worker run, and the running statistics are bit-identical on every rank.

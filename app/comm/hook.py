@@ -21,20 +21,20 @@ bucket. Modes (``comm.mode``):
   backward window the buckets arrive in (on the last of them: DDP rebuilds its buckets after the first
   step), the compression's and the half-precision casts' compute over the gradient's size;
   the ranks agree on the largest of each (one all-reduce), and at the first bucket of the next step the
-  crossover model (``app.train.comm_auto``) picks dense, bf16 (fp16 where the GPU lacks bf16) or
+  crossover model (``lightray.comm.auto``) picks dense, bf16 (fp16 where the GPU lacks bf16) or
   hierarchical top-k for ``comm.link_gbps`` and the node/worker layout, logged as the ``comm_auto``
   unit with its inputs and modelled step times. The choice is saved in the checkpoint and kept on
   resume while the worker set's layout is the same (a new worker adopts it from the others); a new
   layout decides again. Momentum correction, when asked for, is the hook's from the first step
   whichever mode is picked, so the optimizer's momentum never switches owner mid-run.
 
-Deep Gradient Compression's accuracy units (``app.train.dgc``; each off by default, each reported
+Deep Gradient Compression's accuracy units (``lightray.comm.dgc``; each off by default, each reported
 at set-up through ``unit_log`` and in ``describe``/``stats``): momentum correction
 (``comm.momentum_correction``: velocity, not gradient, goes into the residual; the hook then owns
 momentum and the SGD optimizer runs with momentum 0, see ``optimizer_momentum``), local gradient
 clipping (``comm.local_clip``), momentum-factor masking (``comm.momentum_masking``) and a sparsity
 warm-up (``comm.sparsity_warmup_epochs``, driven by ``begin_step(epochs of samples seen)``). Selection
-(``comm.selection``): exact ``torch.topk`` or a sampled threshold (``app.train.compress``).
+(``comm.selection``): exact ``torch.topk`` or a sampled threshold (``lightray.comm.compress``).
 
 Overlap: through DDP every compressed bucket returns the future of its collective (flat top-k: the
 all-gather; hierarchical: the closing all-gather inside the node), so backward goes on computing the
@@ -42,7 +42,7 @@ next buckets while it runs, as for dense. All hook state is read and written on 
 before the collective starts; completion callbacks only combine the received tensors.
 
 No host syncs in the steady state (DESIGN.md): selection, packing, the residual and velocity updates and
-local clipping run on tensors whose sizes depend on ``n`` and ``k`` only (``app.train.compress``; index_add_
+local clipping run on tensors whose sizes depend on ``n`` and ``k`` only (``lightray.comm.compress``; index_add_
 and ``torch.where`` instead of boolean masks; the clip factor a device tensor), and the counts that depend on
 the data (clipped buckets, masked entries, selection misses) stay on the device until a report reads them.
 ``tests/test_comm_host_sync.py`` runs this compute on data-free "meta" tensors. What still waits for the
@@ -78,7 +78,7 @@ hook's device (the selection generator's state to the CPU, where ``set_state`` w
 holds DDP's bucket layouts of the last step: a fresh DDP runs its first iteration on its initial buckets
 (all parameters in one, in torch 2.x) and rebuilds them only after it, so the first step after a resume
 reduces that bucket as the saved buckets it is made of (``_replay_parts``), and top-k and PowerSGD select
-over the same entries as without the restart. With the bucket size kept too (``app.train.fusion``), a
+over the same entries as without the restart. With the bucket size kept too (``lightray.comm.fusion``), a
 resume at an unchanged layout continues the run uninterrupted exactly, in every mode.
 Worker-count-change policy (``load_state_dict(sd, world_size)``): when the world size, the
 node layout, the rank or the mode differ from the saved ones, the residuals are dropped (they are
@@ -106,13 +106,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from app.config import CommConfig
-from app.train import comm_auto
-from app.train.compress import HIGH, LOW, SelectionStats, k_for, pack, quantize, scatter_sum, select
-from app.train.device import unit_log
-from app.train.dgc import accumulate_velocity, clip_factor, warmup_ratio
-from app.train.state import numpy_rng_from_plain, numpy_rng_to_plain
-from app.train.topology import Topology, build_groups
+from lightray.comm import auto as comm_auto
+from lightray.comm.compress import HIGH, LOW, SelectionStats, k_for, pack, quantize, scatter_sum, select
+from lightray.comm.dgc import accumulate_velocity, clip_factor, warmup_ratio
+from lightray.comm.topology import Topology, build_groups
+from lightray.config import CommConfig
+from lightray.plain_rng import numpy_rng_from_plain, numpy_rng_to_plain
+from lightray.units import unit_log
 
 Layout = list[tuple[str, int]]  # (parameter name, numel) in bucket order
 
@@ -270,7 +270,7 @@ class CommHook:
         self._layouts_done: dict[int, Layout] = {}
         self._replay: dict[int, Layout] = {}
         self._replay_noted = False
-        # DGC units (app.train.dgc). Momentum correction replaces the optimizer's momentum, which only
+        # DGC units (lightray.comm.dgc). Momentum correction replaces the optimizer's momentum, which only
         # works for plain SGD (LARS/LAMB scale the update per layer after their own momentum).
         sparse = cfg.mode in ("topk", "hierarchical_topk", "auto")
         self.momentum_correction = cfg.momentum_correction and sparse and optimizer == "sgd"
@@ -736,7 +736,7 @@ class CommHook:
 
     def _sparsify(self, acc: torch.Tensor, residual: torch.Tensor | None,
                   velocity: torch.Tensor | None = None, segments: list[int] | None = None) -> tuple[torch.Tensor, int]:
-        """Pack the top-k of ``acc`` per ``comm.payload`` (``app.train.compress.pack``); updates ``residual``
+        """Pack the top-k of ``acc`` per ``comm.payload`` (``lightray.comm.compress.pack``); updates ``residual``
         (and, with momentum masking, ``velocity``) in place at the sent indices: with the compact payload the
         residual keeps each sent value's fp16 rounding error, so residual + sent equals ``acc`` exactly.
 

@@ -18,7 +18,7 @@ import sys
 import threading
 from typing import Any, TextIO
 
-from app.config import ConfigError
+from lightray.config import ConfigError
 
 
 class PlacementError(ConfigError):

@@ -23,7 +23,7 @@ import time
 import uuid
 from typing import Any
 
-from app import storage
+from lightray import storage
 
 log = logging.getLogger("lightray")
 BILLING_NAME = "billing.json"
@@ -39,7 +39,7 @@ def read_billing(run_dir: str) -> dict[str, Any]:
     return data if isinstance(data, dict) and "attempts" in data else {"attempts": [], "node_seconds": {}}
 
 
-# Actors a run places on nodes it does not otherwise use, holding no resources there (app/train/spot_watcher.py)
+# Actors a run places on nodes it does not otherwise use, holding no resources there (app/driver/spot_watcher.py)
 OBSERVERS = frozenset({"SpotWatcher"})
 
 
