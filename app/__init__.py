@@ -12,17 +12,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from lightray.api import Result
     from lightray.inference import EvalTransform
 
 __all__ = ["Result", "load_model", "train"]
-
-
-def train(config: str = "demo", *, resume: bool = False, verbose: bool = False, **overrides: Any) -> Result:
-    """Train the recipe ``config`` with dotted-key ``overrides`` (see ``lightray.api.train``)."""
-    from lightray.api import train as run
-
-    return run(config, resume=resume, verbose=verbose, **overrides)
 
 
 def load_model(run_or_model_dir: str, weights: str = "best", device: Any = "cpu"
@@ -38,4 +30,10 @@ def __getattr__(name: str) -> Any:
         from lightray.api import Result
 
         return Result
+    if name == "train":
+        # The subpackage lightray.train (the worker's training) is callable: lightray.train(config, **overrides)
+        # runs lightray.api.train. Importing it here is cheap (torch is imported by its modules, not by it).
+        import importlib
+
+        return importlib.import_module("lightray.train")
     raise AttributeError(f"module 'lightray' has no attribute {name!r}")

@@ -28,6 +28,9 @@ ALLOWED = {
     "tune": {"config", "storage", "startup", "schedule", "data", "report", "train", "driver"},
 }
 TOP = {"api", "cli", "model_cli", "run"}
+# The package lightray.train shares its name with the API call lightray.train(config, ...): its __init__ makes it
+# callable, and the call (only the call, at call time) goes to lightray.api.
+EXCEPTIONS = {("lightray.train", "lightray.api")}
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -91,7 +94,7 @@ def test_each_room_imports_only_what_the_architecture_allows():
             continue
         for d in deps:
             target = _room(d)
-            if target != room and target not in ALLOWED[room]:
+            if target != room and target not in ALLOWED[room] and (module, d) not in EXCEPTIONS:
                 wrong.append(f"{module} imports {d}")
     assert wrong == []
 

@@ -92,7 +92,7 @@ def test_nvme_setup_makes_a_cache_folder_even_without_instance_store(cfg, tmp_pa
 
 
 def test_documented_local_cache_flag_points_at_the_nvme_mount(cfg):
-    doc = (REPO / "README.md").read_text()
+    doc = (REPO / "docs" / "CLUSTER.md").read_text()
     assert "--data.local_cache_dir=/mnt/lightray-cache" in doc
     assert any("/mnt/lightray-cache" in c for c in cfg["setup_commands"])
 

@@ -79,13 +79,13 @@ def test_cost_section_overrides_go_through_load_config(tmp_path):
 
 
 def test_cost_table_in_the_cluster_docs_matches_the_configured_prices():
-    # README.md ("Run on a cluster") prices a 16 x 8-GPU run (+ 15 min of boot and idle time on every machine,
+    # docs/CLUSTER.md (what a spot run costs) prices a 16 x 8-GPU run (+ 15 min of boot and idle time on every machine,
     # + the head)
     # with the default prices; the table must move when the prices do.
     import pathlib
     import re
 
-    doc = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "CLUSTER.md").read_text()
     rows = re.findall(r"^\| (\d+) min \| (\d+) \| ([\d.]+) \| \$([\d.]+) \| \$([\d.]+) \|$", doc, flags=re.M)
     assert len(rows) >= 2
     cfg = CostConfig(node_type="g5.48xlarge-spot", gpus_per_node=8)

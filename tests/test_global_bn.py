@@ -128,3 +128,25 @@ def test_global_bn_without_a_process_group_is_plain_batchnorm():
     x = torch.randn(6, 4, 5, 5) * 3 + 2
     torch.testing.assert_close(gbn(x), bn(x))
     torch.testing.assert_close(gbn.running_var, bn.running_var)
+
+
+def test_nccl_groups_get_torchs_syncbatchnorm_and_gloo_the_global_layer():
+    from lightray.comm.global_bn import batchnorm_kind, to_global_bn
+
+    assert batchnorm_kind("nccl") == "SyncBatchNorm"
+    assert batchnorm_kind("gloo") == batchnorm_kind(None) == "GlobalBatchNorm2d"
+    torch.manual_seed(0)
+    plain = build_model(ModelConfig(arch="resnet_tiny", global_bn=False, channels_last=False), CLASSES)
+    before = {k: v.clone() for k, v in plain.state_dict().items()}
+    n_bn = sum(isinstance(m, torch.nn.BatchNorm2d) for m in plain.modules())
+    synced, n, kind = to_global_bn(plain, "SyncBatchNorm")
+    assert kind == "SyncBatchNorm" and n == n_bn > 0
+    assert sum(isinstance(m, torch.nn.SyncBatchNorm) for m in synced.modules()) == n_bn
+    assert not any(type(m) is torch.nn.BatchNorm2d for m in synced.modules())
+    # The same parameters and buffers under the same names: a checkpoint or an export reads either way.
+    after = synced.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    # Without a process group (this test's process), the model's own choice is the gloo layer.
+    model, n, kind = to_global_bn(build_model(ModelConfig(arch="resnet_tiny", global_bn=False), CLASSES))
+    assert kind == "GlobalBatchNorm2d" and n == n_bn
+    assert sum(isinstance(m, GlobalBatchNorm2d) for m in model.modules()) == n_bn

@@ -383,11 +383,11 @@ def test_wheel_stage_builds_lightray_from_the_copied_sources_alone(tmp_path):
     assert re.search(r"^lightray = app\.cli:console$", entry_points, re.M), entry_points
 
 
-# -- the README ---------------------------------------------------------------------------------------------
-def test_readme_walks_from_an_empty_cluster_to_a_finished_run(job, cluster):
-    text = (checks.REPO / "README.md").read_text()
+# -- the cluster docs -----------------------------------------------------------------------------------------
+def test_cluster_docs_walk_from_an_empty_cluster_to_a_finished_run(job, cluster):
+    text = (checks.REPO / "docs" / "CLUSTER.md").read_text()
     section = text.split("## Run on Kubernetes", 1)[1].split("\n## ", 1)[0]
-    assert len(section.strip().splitlines()) <= 30, "README.md, Run on Kubernetes: keep it short"
+    assert len(section.strip().splitlines()) <= 30, "docs/CLUSTER.md, Run on Kubernetes: keep it short"
     secret = cluster["spec"]["authOptions"]["secretName"]
     name = job["metadata"]["name"]
     image = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["image"].split("/", 1)[1]
@@ -399,7 +399,7 @@ def test_readme_walks_from_an_empty_cluster_to_a_finished_run(job, cluster):
                  f"kubectl logs -f job/{name}",
                  "kubectl delete -f k8s/rayjob.yaml",
                  "preStop"):
-        assert step in section, f"README.md, Run on Kubernetes: missing {step!r}"
+        assert step in section, f"docs/CLUSTER.md, Run on Kubernetes: missing {step!r}"
 
 
 # -- the preStop hook against a real Ray node (slow: a two-node Ray cluster) ----------------------------------

@@ -18,6 +18,10 @@ gloo/CPU; latency-bound on large GPU clusters, which is why it is a switch and o
 
 On one worker (or with no process group) the layer is exactly ``nn.BatchNorm2d``.
 
+On NCCL, torch's own ``nn.SyncBatchNorm`` does the same with fused CUDA kernels (it also weighs each rank by
+its share of the batch), so :func:`to_global_bn` uses it there; this layer is for gloo, where SyncBatchNorm
+does not run (its kernels are CUDA-only).
+
 Under torch.compile the layer stays in the graph: dynamo traces the autograd.Function and turns its
 ``all_reduce`` into a functional collective, so a compiled model with global BN is one graph, no graph
 break per layer (checked on gloo, PyTorch 2.14). The shift needs care there, see :func:`_shift_of`.
@@ -124,3 +128,20 @@ def convert_to_global_bn(model: nn.Module) -> int:
         else:
             replaced += convert_to_global_bn(child)
     return replaced
+
+
+def batchnorm_kind(backend: str | None) -> str:
+    """Which global BatchNorm a process group of ``backend`` (None: none) gets: torch's ``SyncBatchNorm`` on NCCL,
+    ``GlobalBatchNorm2d`` elsewhere (gloo, one process)."""
+    return "SyncBatchNorm" if backend == "nccl" else "GlobalBatchNorm2d"
+
+
+def to_global_bn(model: nn.Module, kind: str | None = None) -> tuple[nn.Module, int, str]:
+    """(model, BN layers converted, the kind used): every ``nn.BatchNorm2d`` normalises over the global batch, as
+    ``batchnorm_kind`` of the current process group picks unless ``kind`` says."""
+    if kind is None:
+        kind = batchnorm_kind(dist.get_backend() if dist.is_available() and dist.is_initialized() else None)
+    if kind == "SyncBatchNorm":
+        n = sum(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model), n, kind
+    return model, convert_to_global_bn(model), kind

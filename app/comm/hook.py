@@ -107,11 +107,12 @@ import torch
 import torch.distributed as dist
 
 from lightray.comm import auto as comm_auto
+from lightray.comm import powersgd
 from lightray.comm.compress import HIGH, LOW, SelectionStats, k_for, pack, quantize, scatter_sum, select
 from lightray.comm.dgc import accumulate_velocity, clip_factor, warmup_ratio
 from lightray.comm.topology import Topology, build_groups
+from lightray.comm.wire import allgather_bytes, done, ring_allreduce_bytes  # noqa: F401  (re-exported)
 from lightray.config import CommConfig
-from lightray.plain_rng import numpy_rng_from_plain, numpy_rng_to_plain
 from lightray.units import unit_log
 
 Layout = list[tuple[str, int]]  # (parameter name, numel) in bucket order
@@ -119,16 +120,6 @@ Layout = list[tuple[str, int]]  # (parameter name, numel) in bucket order
 STATE_VERSION = 1
 AUTO_CHOICES = ("dense", "fp16", "bf16", "hierarchical_topk")  # what comm.mode=auto can pick (codes 1..4)
 AUTO_MEASURE_STEPS = 2  # dense steps comm.mode=auto measures before it decides
-
-
-def ring_allreduce_bytes(nbytes: int, world: int) -> int:
-    """Bytes each worker sends in a ring all-reduce of ``nbytes``."""
-    return 0 if world <= 1 else int(2 * (world - 1) * nbytes / world)
-
-
-def allgather_bytes(payload: int, world: int) -> int:
-    """Bytes each worker sends in an all-gather where it contributes ``payload`` bytes."""
-    return 0 if world <= 1 else (world - 1) * payload
 
 
 class SlotStore:
@@ -218,12 +209,6 @@ def _clock_span(first: Any, last: Any) -> float:
     return first.elapsed_time(last) / 1e3
 
 
-def _done(t: torch.Tensor) -> torch.futures.Future:
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(t)
-    return fut
-
-
 class CommHook:
     """The DDP communication hook of one worker; see the module docstring for the modes."""
 
@@ -237,13 +222,7 @@ class CommHook:
         self.auto = cfg.mode == "auto"
         self.mode = "dense" if self.auto else cfg.mode  # auto: dense until the first steps have been measured
         self.world_size = topology.world_size
-        self.step = 0  # optimizer steps seen by the hook (a step ends with DDP's last bucket)
-        self.bytes_sent = 0
-        self.bytes_inter_node = 0
-        self.dense_bytes = 0
-        self.comm_seconds = 0.0  # wall time inside the hook's synchronous parts
-        self.compressed_steps = 0
-        self.dense_steps = 0
+        self._init_meters()
         self._force_dense = 0
         self._step_was_dense = False
         # residual: undelivered (velocity or gradient) of error feedback; momentum: local velocity u of
@@ -255,12 +234,7 @@ class CommHook:
         self._notes: list[str] = []
         self._prepared = False
         self._effective = self.mode
-        self._node_group: Any = None
-        self._cross_group: Any = None
-        self._node_size = 1
-        self._num_nodes = 1
-        self._node_chunk_of_member: list[int] = []
-        self._local_index = 0
+        self._init_groups()
         self._need_agree = True  # agree on step / forced dense steps at the first bucket (see _agree)
         self._psgd: Any = None
         self._psgd_pending: dict | None = None
@@ -285,6 +259,36 @@ class CommHook:
         self.selection = SelectionStats()
         self._sel_gen = torch.Generator(device=self.device).manual_seed(1234 + topology.rank)
         self.bucket_timings: list[tuple[int, float, float]] | None = None  # (bucket, hook call, future done)
+        self._init_auto()
+        self._init_loss_scale()
+        self.auto_evidence: dict[str, Any] | None = None
+        if self.auto and self.world_size == 1:
+            unit_log("comm_auto", "picked dense: a single worker communicates nothing", chosen="dense")
+        self._unit_events(optimizer, sparse)
+        if self.mode == "powersgd":
+            self._psgd = powersgd.new_state(cfg)
+
+    def _init_meters(self) -> None:
+        """The step count and the byte and time meters that ``stats`` reports."""
+        self.step = 0  # optimizer steps seen by the hook (a step ends with DDP's last bucket)
+        self.bytes_sent = 0
+        self.bytes_inter_node = 0
+        self.dense_bytes = 0
+        self.comm_seconds = 0.0  # wall time inside the hook's synchronous parts
+        self.compressed_steps = 0
+        self.dense_steps = 0
+
+    def _init_groups(self) -> None:
+        """The node and cross-node groups of hierarchical top-k, made at ``prepare``."""
+        self._node_group: Any = None
+        self._cross_group: Any = None
+        self._node_size = 1
+        self._num_nodes = 1
+        self._node_chunk_of_member: list[int] = []
+        self._local_index = 0
+
+    def _init_auto(self) -> None:
+        """``comm.mode=auto``'s measurement of the first dense steps."""
         # comm.mode=auto: pending until decided; what the measured step saw (bucket calls, elements, buckets)
         self._auto_pending = self.auto and self.world_size > 1
         self._auto_hier_ready = False
@@ -293,6 +297,9 @@ class CommHook:
         self._auto_last: Any = None
         self._auto_elements = self._auto_buckets = self._auto_steps = 0
         self._auto_window: tuple[Any, Any] | None = None
+
+    def _init_loss_scale(self) -> None:
+        """fp16 loss scaling's view of the hook's state (``follow_loss_scale``)."""
         # fp16 loss scaling (follow_loss_scale): the scaler, this step's scale S and 1/S (device tensors), and the
         # journal of slot tensors this step changed, each with its value before (settled at the next step).
         self._scaler: Any = None
@@ -301,19 +308,6 @@ class CommHook:
         self._journal: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._journal_scale: torch.Tensor | None = None
         self._new_step = True
-        self.auto_evidence: dict[str, Any] | None = None
-        if self.auto and self.world_size == 1:
-            unit_log("comm_auto", "picked dense: a single worker communicates nothing", chosen="dense")
-        self._unit_events(optimizer, sparse)
-        if self.mode == "powersgd":
-            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-
-            # torch requires start_powerSGD_iter > 1 with error feedback / warm start, because DDP
-            # rebuilds its buckets after the first iteration.
-            self._psgd = psgd.PowerSGDState(
-                process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
-                start_powerSGD_iter=max(2, cfg.warmup_steps), use_error_feedback=cfg.error_feedback,
-                warm_start=True, random_seed=0)
 
     def _unit_events(self, optimizer: str, sparse: bool) -> None:
         """One unit event per DGC unit at set-up: on, off, or not applicable to this mode/optimizer."""
@@ -605,7 +599,7 @@ class CommHook:
         if self._effective == "identity":
             self._step_was_dense = True
             out = self._dense_velocity(buf, layout, index)(buf) if self.momentum_correction else buf
-            return out if sync else _done(out)
+            return out if sync else done(out)
         if self._dense_now() or self._effective == "dense":
             self._step_was_dense = True
             post = self._dense_velocity(buf, layout, index) if self.momentum_correction else None
@@ -921,24 +915,15 @@ class CommHook:
             "residual_units": "unscaled",  # by the fp16 loss scale (older states kept them scaled)
         }
         if self._psgd is not None:
-            sd["powersgd"] = _powersgd_state(self._psgd)
+            sd["powersgd"] = powersgd.state_dict(self._psgd)
         return sd
 
     def load_state_dict(self, sd: dict, world_size: int) -> None:
         """Restore this worker's state; drop residuals when the worker set changed (module docstring)."""
-        if not isinstance(sd, dict) or sd.get("version") != STATE_VERSION:
-            got = sd.get("version") if isinstance(sd, dict) else type(sd).__name__
-            raise ValueError(f"CommHook.load_state_dict: bad state (version {got!r}); "
-                             f"expected a dict from CommHook.state_dict() with version {STATE_VERSION}")
-        missing = [k for k in ("mode", "rank", "world_size", "step", "residuals") if k not in sd]
-        if missing:
-            raise ValueError(f"CommHook.load_state_dict: state lacks key {missing[0]!r}")
+        _check_state(sd)
         self.step = int(sd["step"])
-        self.bytes_sent = int(sd.get("bytes_sent", 0))
-        self.bytes_inter_node = int(sd.get("bytes_inter_node", 0))
-        self.dense_bytes = int(sd.get("dense_bytes", 0))
-        self.dense_steps = int(sd.get("dense_steps", 0))
-        self.compressed_steps = int(sd.get("compressed_steps", 0))
+        for meter in ("bytes_sent", "bytes_inter_node", "dense_bytes", "dense_steps", "compressed_steps"):
+            setattr(self, meter, int(sd.get(meter, 0)))
         vel_saved = bool(sd.get("momentum") or sd.get("dense_momentum"))
         for store in self._slots.values():
             store.clear()
@@ -971,6 +956,11 @@ class CommHook:
                                + (f"{vel} velocities dropped, " if vel else "")
                                + f"{self._force_dense} dense step(s) next")
             return
+        self._load_slots(sd)
+
+    def _load_slots(self, sd: dict) -> None:
+        """The slots, the selection generator, the bucket layouts and PowerSGD's state of a checkpoint taken at
+        this worker layout and mode."""
         self._force_dense = int(sd.get("force_dense", 0))
         self._slots["residual"].load(sd["residuals"], self.device)
         self._slots["momentum"].load(sd.get("momentum") or {}, self.device)
@@ -982,7 +972,7 @@ class CommHook:
                         for i, layout in (sd.get("bucket_layouts") or {}).items()}
         self._layouts_done = dict(self._replay)
         if self._psgd is not None and sd.get("powersgd"):
-            _load_powersgd_state(self._psgd, sd["powersgd"], self.device)
+            powersgd.load_state(self._psgd, sd["powersgd"], self.device)
             if not self._replay:
                 # A checkpoint without bucket layouts (older): a fresh DDP's first iteration runs on its initial
                 # buckets, whose indices do not match the saved per-bucket memories: run that step dense.
@@ -1050,36 +1040,15 @@ class CommHook:
         return line
 
 
-# PowerSGDState slots that are the run's position (the rest come from the config of this start).
-_PSGD_RUNNING = ("iter", "total_numel_before_compression", "total_numel_after_compression", "next_stats_report")
-_PSGD_MEMORIES = ("error_dict", "p_memory_dict", "q_memory_dict")
-
-
-def _powersgd_state(psgd_state: Any) -> dict[str, Any]:
-    """PowerSGD's state as tensors and plain values: its NumPy RandomState as ``numpy_rng_to_plain`` gives it
-    (pickled, it would stop ``weights_only=True`` loading the checkpoint), its per-bucket memories on the CPU."""
-    out: dict[str, Any] = {k: int(getattr(psgd_state, k)) for k in _PSGD_RUNNING}
-    out["matrix_approximation_rank"] = int(psgd_state.matrix_approximation_rank)
-    out["rng"] = numpy_rng_to_plain(psgd_state.rng.get_state())
-    for key in _PSGD_MEMORIES:
-        out[key] = {int(i): t.detach().cpu().clone() for i, t in getattr(psgd_state, key).items()}
-    return out
-
-
-def _load_powersgd_state(psgd_state: Any, saved: dict[str, Any], device: torch.device) -> None:
-    for k in _PSGD_RUNNING:
-        if k in saved:
-            setattr(psgd_state, k, int(saved[k]))
-    rng = saved.get("rng")
-    if isinstance(rng, dict):
-        psgd_state.rng.set_state(numpy_rng_from_plain(rng))
-    elif rng is not None:  # a format-1 checkpoint (loaded with checkpoint.allow_pickle) pickled the RandomState
-        psgd_state.rng.set_state(rng.get_state())
-    keep_pq = int(saved.get("matrix_approximation_rank", psgd_state.matrix_approximation_rank)) == \
-        psgd_state.matrix_approximation_rank  # P and Q have the rank's width; another rank starts them afresh
-    for key in _PSGD_MEMORIES:
-        memories = (saved.get(key) or {}) if key == "error_dict" or keep_pq else {}
-        setattr(psgd_state, key, {int(i): t.to(device, copy=True) for i, t in memories.items()})
+def _check_state(sd: Any) -> None:
+    """Raise a ValueError naming what is wrong with a hook state that ``CommHook.state_dict`` did not write."""
+    if not isinstance(sd, dict) or sd.get("version") != STATE_VERSION:
+        got = sd.get("version") if isinstance(sd, dict) else type(sd).__name__
+        raise ValueError(f"CommHook.load_state_dict: bad state (version {got!r}); "
+                         f"expected a dict from CommHook.state_dict() with version {STATE_VERSION}")
+    missing = [k for k in ("mode", "rank", "world_size", "step", "residuals") if k not in sd]
+    if missing:
+        raise ValueError(f"CommHook.load_state_dict: state lacks key {missing[0]!r}")
 
 
 class _SubBucket:
@@ -1130,12 +1099,12 @@ def _replay_bucket(hook: CommHook, bucket: dist.GradBucket, layout: Layout,
         hook._layouts_now[index] = sub_layout
         if hook.mode == "powersgd":
             vb = _SubBucket(index, sub, [views[name] for name, _ in sub_layout], last and j == len(parts) - 1)
-            out = _powersgd(hook, vb).wait()
+            out = powersgd.reduce_bucket(hook, vb).wait()
         else:
             out = hook._reduce(sub, sub_layout, index, sync=True)
         for (name, numel), piece in zip(sub_layout, out.split([numel for _, numel in sub_layout])):
             buf[where[name][0]:where[name][0] + numel].copy_(piece)
-    return _done(buf)
+    return done(buf)
 
 
 def _ddp_hook(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -1152,7 +1121,7 @@ def _ddp_hook(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future:
         fut = _replay_bucket(hook, bucket, layout, parts)
     elif hook.mode == "powersgd":
         hook._layouts_now[bucket.index()] = layout
-        fut = _powersgd(hook, bucket)
+        fut = powersgd.reduce_bucket(hook, bucket)
     else:
         hook._layouts_now[bucket.index()] = layout
         fut = hook._reduce(bucket.buffer(), layout, bucket.index(), sync=False)
@@ -1177,53 +1146,3 @@ def _stamped(fut: torch.futures.Future, log: list, index: int, t_call: float) ->
 # annotations would fail that check.
 _ddp_hook.__annotations__ = {"hook": CommHook, "bucket": dist.GradBucket,
                              "return": torch.futures.Future[torch.Tensor]}
-
-
-def _drop_stale_powersgd_memory(psgd_state: Any, bucket: Any) -> None:
-    """Forget restored per-bucket PowerSGD memories that do not fit this bucket (bucket sizes changed)."""
-    i = bucket.index()
-    err = psgd_state.error_dict.get(i)
-    if err is not None and err.numel() != bucket.buffer().numel():
-        for d in (psgd_state.error_dict, psgd_state.p_memory_dict, psgd_state.q_memory_dict):
-            d.pop(i, None)
-
-
-def _powersgd(hook: CommHook, bucket: Any) -> torch.futures.Future:
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-
-    psgd_state, world = hook._psgd, hook.world_size
-    buf = bucket.buffer()
-    if hook._force_dense > 0:
-        hook._step_was_dense = True
-        if bucket.is_last():
-            psgd_state.iter += 1  # keep PowerSGD's own step count in line with ours
-        return hook._reduce(buf, [], bucket.index(), sync=False)
-    _drop_stale_powersgd_memory(psgd_state, bucket)
-    hook.dense_bytes += ring_allreduce_bytes(buf.numel() * 4, world)
-    esize = buf.element_size()
-    if psgd_state.iter < psgd_state.start_powerSGD_iter:
-        sent = ring_allreduce_bytes(buf.numel() * esize, world)
-    else:
-        # Mirrors the hook's split: matrices worth compressing send P (rows x r) and Q (cols x r);
-        # everything else is all-reduced as is.
-        dense_elems = p_elems = q_elems = 0
-        for g in bucket.gradients():
-            if g.dim() > 1:
-                rows, cols = g.shape[0], g.numel() // g.shape[0]
-                r = min(rows, cols, psgd_state.matrix_approximation_rank)
-                if (rows + cols) * r * psgd_state.min_compression_rate < rows * cols:
-                    p_elems += rows * r
-                    q_elems += cols * r
-                    continue
-            dense_elems += g.numel()
-        sent = sum(ring_allreduce_bytes(e * esize, world) for e in (dense_elems, p_elems, q_elems))
-    hook.bytes_sent += sent
-    if hook.topology.num_nodes > 1:
-        hook.bytes_inter_node += sent
-    fut = psgd.powerSGD_hook(psgd_state, bucket)
-    if dist.get_backend() == "gloo":
-        # The hook issues its second and third all-reduce from future callbacks; with several buckets in
-        # flight gloo ranks can then issue them in different orders (seen: "collective mismatch" aborts
-        # with 4 CPU workers). Finishing each bucket before DDP hands over the next keeps the order.
-        return _done(fut.wait())
-    return fut

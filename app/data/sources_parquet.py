@@ -116,15 +116,7 @@ def list_parquet(root: str, base: str, fs: pafs.FileSystem, val_fraction: float 
     with ThreadPoolExecutor(16) as pool:
         cols = dict(zip(wanted, pool.map(labels, wanted)))
     if classes is None:
-        if label_kind == "int":
-            top = max((pc.max(c).as_py() for c in cols.values() if len(c)), default=None)
-            classes = [str(i) for i in range((top if top is not None else -1) + 1)]
-        else:
-            uniq: set[str] = set()
-            for (split, _), c in cols.items():
-                if split == "train":
-                    uniq.update(v for v in pc.unique(c.cast(pa.string())).to_pylist() if v is not None)
-            classes = sorted(uniq)
+        classes = _classes_from_labels(cols, label_kind)
     if not classes:
         raise _error(f"{first}: no labels in column {label_col!r}; expected class labels")
     train_labels = _label_codes([cols[x] for x in files if x[0] == "train"], classes)
@@ -135,15 +127,32 @@ def list_parquet(root: str, base: str, fs: pafs.FileSystem, val_fraction: float 
     elif val_fraction > 0:
         hold_out(listing, train_labels, val_fraction, seed)
         train_labels = train_labels[listing.picked["train"]]
+    _mark_clustered(listing, train_labels)
+    return listing
+
+
+def _classes_from_labels(cols: dict[tuple[str, RowFile], pa.ChunkedArray], label_kind: str) -> list[str]:
+    """The class names when no file names them: 0..max for integer labels, else the train split's sorted values."""
+    if label_kind == "int":
+        top = max((pc.max(c).as_py() for c in cols.values() if len(c)), default=None)
+        return [str(i) for i in range((top if top is not None else -1) + 1)]
+    uniq: set[str] = set()
+    for (split, _), c in cols.items():
+        if split == "train":
+            uniq.update(v for v in pc.unique(c.cast(pa.string())).to_pylist() if v is not None)
+    return sorted(uniq)
+
+
+def _mark_clustered(listing: RowListing, train_labels: np.ndarray) -> None:
+    """A train split sorted (or clustered) by class is marked for prepare to mix across shards."""
     score = mix.clustering(train_labels)
     if score > mix.LIMIT:
         # Part of the listing's fingerprint, so a cache built from row ranges is never reused for the mix.
-        opts["mixed_splits"] = ["train"]
+        listing.options["mixed_splits"] = ["train"]
         log.warning("%s: the train rows are clustered by class (runs of %d consecutive rows are %.0f standard "
                     "deviations from fair samples); prepare mixes them across shards, reading each file's row "
-                    "groups for many shards (a source written shuffled is read once, in order)", root,
+                    "groups for many shards (a source written shuffled is read once, in order)", listing.root,
                     mix.check_rows(len(train_labels)), score)
-    return listing
 
 
 def hold_out(listing: RowListing, labels: np.ndarray, fraction: float, seed: int) -> None:

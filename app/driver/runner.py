@@ -211,7 +211,6 @@ def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, str
     from lightray.data.manifest import Manifest
     from lightray.data.prepare import prepare_main
     from lightray.report.record_sync import RecordSync
-    from lightray.report.runlog import RunLogWriter, start_runlog
 
     run_dir, local_run_dir = _open_run_dir(cfg, resume)
     t0 = time.time()
@@ -244,17 +243,8 @@ def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, str
         _write_run_files(cfg, run_dir, manifest, spec, fit)
         _announce_schedule(sched, run_dir, eval_resolution(cfg), stream=(stream or sys.stdout) if progress else None)
         _limit_data_resources(cfg.worker_range()[1] * cfg.scaling.cpus_per_worker)
-        if inline:  # the one worker is this process: it writes the log itself
-            writer = RunLogWriter(local_run_dir, cfg.report.tensorboard)
-            trainer = _build_inline(cfg, run_dir, spec, sched, len(manifest.classes), on_report, writer.log)
-            flush_log = writer.flush
-            startup.name_group_phase("inline_start")  # building its streams here, no worker group
-        else:
-            runlog = start_runlog(cfg.name, local_run_dir, cfg.report.tensorboard)
-            trainer = _build_trainer(cfg, run_dir, spec, sched, len(manifest.classes), use_gpu, callbacks)
-
-            def flush_log() -> None:
-                ray.get(runlog.flush.remote())
+        trainer, flush_log = _make_trainer(cfg, run_dir, local_run_dir, spec, sched, len(manifest.classes),
+                                           use_gpu, callbacks, inline, on_report)
         startup.add("trainer_setup", setup_start)
         startup.write(local_run_dir)
         error, spot = _fit(trainer, cfg, local_run_dir, flush_log, None if inline else waiting,
@@ -266,6 +256,26 @@ def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, str
             watch.stop()
             records.stop()
     return _write_result(cfg, run_dir, local_run_dir, t0, sched, use_gpu, error, spot, billing)
+
+
+def _make_trainer(cfg: Config, run_dir: str, local_run_dir: str, spec, sched: Schedule, num_classes: int,
+                  use_gpu: bool, callbacks: list | None, inline: bool, on_report) -> tuple[Any, Callable[[], None]]:
+    """(the trainer to fit, a function that flushes the run's log): a Ray Train worker group whose log an actor
+    writes, or with ``inline`` the one worker in this process, which writes the log itself."""
+    from lightray.report.runlog import RunLogWriter, start_runlog
+
+    if inline:
+        writer = RunLogWriter(local_run_dir, cfg.report.tensorboard)
+        trainer = _build_inline(cfg, run_dir, spec, sched, num_classes, on_report, writer.log)
+        startup.name_group_phase("inline_start")  # building its streams here, no worker group
+        return trainer, writer.flush
+    runlog = start_runlog(cfg.name, local_run_dir, cfg.report.tensorboard)
+    trainer = _build_trainer(cfg, run_dir, spec, sched, num_classes, use_gpu, callbacks)
+
+    def flush_log() -> None:
+        ray.get(runlog.flush.remote())
+
+    return trainer, flush_log
 
 
 def _release_dead_runs(cfg: Config, local_run_dir: str, stream) -> None:

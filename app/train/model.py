@@ -14,7 +14,7 @@ import torchvision
 from torch import nn
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
-from lightray.comm.global_bn import convert_to_global_bn
+from lightray.comm.global_bn import to_global_bn
 from lightray.config import TIMM_PREFIX, ModelConfig, check_arch
 from lightray.train.device import unit_log, unwrap_model  # noqa: F401  (re-exported)
 
@@ -154,9 +154,9 @@ def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
         raise ValueError(f"num_classes: bad value {num_classes}; expected at least 1")
     model = _create(cfg.arch, num_classes, cfg.zero_init_residual, tuple(cfg.widths))
     if cfg.global_bn:  # before the zero-init below, which must reach the swapped layers
-        n_bn = convert_to_global_bn(model)
-        unit_log("global_bn", f"{n_bn} BN layers normalise over the global batch (one all-reduce each per "
-                 "forward and backward when there is more than one worker)", layers=n_bn)
+        model, n_bn, kind = to_global_bn(model)
+        unit_log("global_bn", f"{n_bn} BN layers normalise over the global batch as {kind} (one all-reduce each "
+                 "per forward and backward when there is more than one worker)", layers=n_bn, kind=kind)
     else:
         unit_log("global_bn", "off (model.global_bn=false): each worker normalises its own share of the batch",
                  layers=0)
