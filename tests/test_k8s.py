@@ -352,9 +352,9 @@ def test_dockerfile_rules_catch_a_broken_dockerfile(case):
 
 
 def test_dockerignore_must_let_every_copied_source_through():
-    ignore = checks.DOCKERIGNORE.read_text().replace("!bench\n", "")
+    ignore = checks.DOCKERIGNORE.read_text().replace("!tune_spaces\n", "")
     found = checks.dockerfile_problems(_dockerfile(), ignore, "2.60", ">=3.10")
-    assert any("bench (copied by the Dockerfile) is excluded" in p for p in found), found
+    assert any("tune_spaces (copied by the Dockerfile) is excluded" in p for p in found), found
     found = checks.dockerfile_problems(_dockerfile(), "!app\n", "2.60", ">=3.10")
     assert any("expected an allowlist" in p for p in found), found
 
@@ -379,8 +379,10 @@ def test_wheel_stage_builds_lightray_from_the_copied_sources_alone(tmp_path):
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         entry_points = next(zf.read(n).decode() for n in names if n.endswith("entry_points.txt"))
-    assert {"app/recipes/imagenet-rn50-dawnbench.yaml", "app/driver/spot_watcher.py", "app/cli.py"} <= names
-    assert re.search(r"^lightray = app\.cli:console$", entry_points, re.M), entry_points
+    assert {"lightray/recipes/imagenet-rn50-dawnbench.yaml", "lightray/driver/spot_watcher.py", "lightray/cli.py",
+            "lightray/spaces/large_batch.yaml"} <= names
+    assert not any(n.startswith(("app/", "bench/")) for n in names)
+    assert re.search(r"^lightray = lightray\.cli:console$", entry_points, re.M), entry_points
 
 
 # -- the cluster docs -----------------------------------------------------------------------------------------

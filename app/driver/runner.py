@@ -309,7 +309,7 @@ def _watch_cluster(cfg: Config, run_dir: str, local_run_dir: str, t0: float, met
         from lightray.report.summary import write_summary_from_files
 
         billing = meter.flush()  # no last sample: it asks the cluster that is gone
-        try:  # what the run wrote so far; the same summary the driver's guardian writes (driver_guard.py)
+        try:  # what the run wrote so far; the same summary the driver's guardian writes (guard.py)
             write_summary_from_files(cfg, run_dir, local_run_dir, t0, time.time(), known.get("epochs_planned"),
                                      use_gpu=bool(known.get("use_gpu")), error=error, billing=billing)
         finally:
