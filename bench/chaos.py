@@ -60,6 +60,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 ROOT = pathlib.Path(__file__).parents[1]
 if str(ROOT) not in sys.path:
@@ -404,7 +405,8 @@ def reference_run(nodes: NodeCluster, storage: pathlib.Path, cache: pathlib.Path
     return json.loads((storage / name / "summary.json").read_text()), time.time() - t0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The bench's command line."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=10.0, help="length of the soak (sets the run's epochs)")
     p.add_argument("--seed", type=int, default=0, help="seed of the fault order and points, and of the run")
@@ -419,7 +421,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="Ray Train's worker-group start timeout in the driver (default: Ray's, 60 s)")
     p.add_argument("--collective-timeout-s", type=int, default=45,
                    help="the run's scaling.collective_timeout_s: how long peers wait on a hung worker (peer_hang)")
-    args = p.parse_args(argv)
+    return p
+
+
+def _driver_env_and_kinds(p: argparse.ArgumentParser,
+                          args: argparse.Namespace) -> tuple[dict[str, str], tuple[str, ...]]:
+    """(the driver's extra environment, the fault kinds to inject), each checked against what is allowed."""
     if args.group_start_timeout_s is not None and args.group_start_timeout_s <= 0:
         p.error(f"--group-start-timeout-s={args.group_start_timeout_s}: expected a positive number of seconds")
     driver_env = ({} if args.group_start_timeout_s is None else
@@ -428,16 +435,15 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(kinds) - set(PRIMARY))
     if unknown or not kinds:
         p.error(f"--faults: unknown kind(s) {unknown or '(none given)'}; expected some of {','.join(PRIMARY)}")
-    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
-    json_out = json_stdout()
+    return driver_env, kinds
+
+
+def soak_and_reference(args: argparse.Namespace, storage: pathlib.Path, cache: pathlib.Path, epochs: int,
+                       kinds: tuple[str, ...], driver_env: dict[str, str]) -> tuple[Soak, float, dict, float | None]:
+    """On one local cluster: the soak under faults, then (unless ``--no-reference``) the uninterrupted
+    reference on the full cluster; returns (the soak, its wall seconds, the reference's summary, its wall)."""
     from tests.imds_server import ImdsServer
 
-    machine = Machine()
-    tmp = tempfile.TemporaryDirectory(prefix="bench-chaos-")
-    base = pathlib.Path(args.keep or tmp.name)
-    storage, cache = base / "runs", base / "cache"
-    storage.mkdir(parents=True, exist_ok=True)
-    epochs = epochs_for(args.minutes)
     stamp = time.strftime("%H%M%S")
     with NodeCluster(workers=args.nodes) as nodes, ImdsServer() as imds:
         soak = Soak(nodes, storage, cache, f"chaos-{stamp}", epochs, args.seed, imds, kinds, env=driver_env,
@@ -453,6 +459,12 @@ def main(argv: list[str] | None = None) -> int:
                 nodes.add_worker()
             ref, ref_wall = reference_run(nodes, storage, cache, f"reference-{stamp}", epochs, args.seed,
                                           env=driver_env)
+    return soak, wall, ref, ref_wall
+
+
+def summarise(args: argparse.Namespace, soak: Soak, epochs: int, kinds: tuple[str, ...], wall: float, ref: dict,
+              ref_wall: float | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(figures, ratios): the soak's figures with the sample audit and the reference beside it."""
     figures = soak.figures()
     diff = same_multiset(carried_samples(soak.run_dir), planned_samples(soak.run_dir))
     figures.update({
@@ -467,6 +479,23 @@ def main(argv: list[str] | None = None) -> int:
     top1 = figures["final_top1"]
     ratios = {"top1_over_uninterrupted": round(top1 / ref["final_top1"], 3) if top1 and ref["final_top1"] else None,
               "wall_over_uninterrupted": round(wall / ref_wall, 3) if ref_wall else None}
+    return figures, ratios
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    driver_env, kinds = _driver_env_and_kinds(p, args)
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+    json_out = json_stdout()
+    machine = Machine()
+    tmp = tempfile.TemporaryDirectory(prefix="bench-chaos-")
+    base = pathlib.Path(args.keep or tmp.name)
+    storage, cache = base / "runs", base / "cache"
+    storage.mkdir(parents=True, exist_ok=True)
+    epochs = epochs_for(args.minutes)
+    soak, wall, ref, ref_wall = soak_and_reference(args, storage, cache, epochs, kinds, driver_env)
+    figures, ratios = summarise(args, soak, epochs, kinds, wall, ref, ref_wall)
     nodes_desc = f"ray.cluster_utils.Cluster: head (2 CPU) + {args.nodes} worker nodes (1 CPU, trainer=1), token auth"
     emit("chaos", figures, ratios, machine.finish(argv, nodes=nodes_desc), out=json_out)
     tmp.cleanup()

@@ -198,12 +198,85 @@ def _overlap(timings: list[tuple[int, float, float]], t_backward: float) -> dict
                          "done_ms": round(1e3 * (d - t_backward), 2)} for i, c, d in timings]}
 
 
-def _measure_worker(rank: int, world: int, folder: str, arch: str, steps: int) -> None:
+def _timed_steps(hook: Any, handed: _Handed, ddp: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                 y: torch.Tensor, steps: int) -> dict[str, Any]:
+    """``steps`` timed training steps through the installed hook: per step the median time and backward time,
+    bytes sent, inter-node, dense and handed to the collectives (by group), and the buckets' overlap."""
+    b0, i0, d0, h0 = hook.bytes_sent, hook.bytes_inter_node, hook.dense_bytes, handed.bytes
+    g0 = dict(handed.by_group)
+    times, backward = [], []
+    for _ in range(steps):
+        dist.barrier()
+        hook.bucket_timings = []
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        tb = time.perf_counter()
+        loss.backward()
+        backward.append(time.perf_counter() - tb)
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    timings = hook.bucket_timings
+    hook.bucket_timings = None
+    ov = _overlap(timings, tb)
+    return {"step_s": statistics.median(times), "bytes": (hook.bytes_sent - b0) / steps,
+            "inter_bytes": (hook.bytes_inter_node - i0) / steps, "dense_bytes": (hook.dense_bytes - d0) / steps,
+            "handed_bytes": (handed.bytes - h0) / steps,
+            "handed_by_group": {k: (v - g0.get(k, 0)) / steps for k, v in handed.by_group.items()
+                                if v != g0.get(k, 0)},
+            "backward_s": statistics.median(backward), "window_share": ov.pop("window_s") / backward[-1], **ov}
+
+
+def _comm_alone(hook: Any, n: int, rank: int, steps: int) -> float:
+    """Median seconds of communication alone: the whole gradient in 25 MB buckets through the same hook code."""
+    grads = torch.randn(n, generator=torch.Generator().manual_seed(100 + rank))
+    chunk = int(BUCKET_MB * 1024 * 1024 / 4)
+    pieces = grads.split(chunk)
+    ctimes = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for i, p in enumerate(pieces):
+            hook.aggregate(p, [(f"b{i}", p.numel())], bucket_index=10_000 + i, last=i == len(pieces) - 1)
+        ctimes.append(time.perf_counter() - t0)
+    return statistics.median(ctimes)
+
+
+def _measure_mode(mode: str, arch: str, topo: Any, handed: _Handed, x: torch.Tensor, y: torch.Tensor, n: int,
+                  rank: int, steps: int) -> dict[str, Any]:
+    """One comm mode on this rank: a fresh DDP model with lightray's hook, warmed up, then timed steps and (but
+    for PowerSGD) communication alone; step and comm seconds are the slowest rank's."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lightray.comm.hook import CommHook
-    from lightray.comm.topology import Topology
     from lightray.config import CommConfig
+
+    cfg = CommConfig(mode=mode, ratio=RATIO, warmup_steps=0, error_feedback=True, bucket_mb=BUCKET_MB,
+                     selection=SELECTION, payload=PAYLOAD)
+    m = _model(arch)
+    ddp = DDP(m, bucket_cap_mb=BUCKET_MB)
+    hook = CommHook(cfg, topo, torch.device("cpu"))
+    hook.install(ddp)
+    handed.names = {id(g): name for g, name in ((hook._node_group, "node"), (hook._cross_group, "cross_node"))
+                    if g is not None}
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+
+    for _ in range(2 if mode == "powersgd" else 1):  # warm-up (PowerSGD compresses from its 3rd step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    rec = _timed_steps(hook, handed, ddp, opt, x, y, steps)
+    if mode != "powersgd":
+        # Communication alone: the whole gradient in 25 MB buckets through the same hook code.
+        rec["comm_s"] = _comm_alone(hook, n, rank, steps)
+    t = torch.tensor([rec["step_s"], rec.get("comm_s", 0.0)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the step
+    rec["step_s"], rec["comm_s"] = float(t[0]), float(t[1]) if mode != "powersgd" else None
+    return rec
+
+
+def _measure_worker(rank: int, world: int, folder: str, arch: str, steps: int) -> None:
+    from lightray.comm.topology import Topology
 
     dist.init_process_group("gloo", init_method=f"file://{folder}/store-{arch}", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -215,60 +288,7 @@ def _measure_worker(rank: int, world: int, folder: str, arch: str, steps: int) -
     y = torch.randint(0, 1000, (2,), generator=torch.Generator().manual_seed(rank))
     results: dict[str, Any] = {"elements": n}
     for mode in MODES:
-        cfg = CommConfig(mode=mode, ratio=RATIO, warmup_steps=0, error_feedback=True, bucket_mb=BUCKET_MB,
-                         selection=SELECTION, payload=PAYLOAD)
-        m = _model(arch)
-        ddp = DDP(m, bucket_cap_mb=BUCKET_MB)
-        hook = CommHook(cfg, topo, torch.device("cpu"))
-        hook.install(ddp)
-        handed.names = {id(g): name for g, name in ((hook._node_group, "node"), (hook._cross_group, "cross_node"))
-                        if g is not None}
-        opt = torch.optim.SGD(m.parameters(), lr=0.01)
-
-        for _ in range(2 if mode == "powersgd" else 1):  # warm-up (PowerSGD compresses from its 3rd step)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(ddp(x), y).backward()
-            opt.step()
-        b0, i0, d0, h0 = hook.bytes_sent, hook.bytes_inter_node, hook.dense_bytes, handed.bytes
-        g0 = dict(handed.by_group)
-        times, backward = [], []
-        for _ in range(steps):
-            dist.barrier()
-            hook.bucket_timings = []
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(ddp(x), y)
-            tb = time.perf_counter()
-            loss.backward()
-            backward.append(time.perf_counter() - tb)
-            opt.step()
-            times.append(time.perf_counter() - t0)
-        timings = hook.bucket_timings
-        hook.bucket_timings = None
-        ov = _overlap(timings, tb)
-        rec = {"step_s": statistics.median(times), "bytes": (hook.bytes_sent - b0) / steps,
-               "inter_bytes": (hook.bytes_inter_node - i0) / steps, "dense_bytes": (hook.dense_bytes - d0) / steps,
-               "handed_bytes": (handed.bytes - h0) / steps,
-               "handed_by_group": {k: (v - g0.get(k, 0)) / steps for k, v in handed.by_group.items()
-                                   if v != g0.get(k, 0)},
-               "backward_s": statistics.median(backward), "window_share": ov.pop("window_s") / backward[-1], **ov}
-        if mode != "powersgd":
-            # Communication alone: the whole gradient in 25 MB buckets through the same hook code.
-            grads = torch.randn(n, generator=torch.Generator().manual_seed(100 + rank))
-            chunk = int(BUCKET_MB * 1024 * 1024 / 4)
-            pieces = grads.split(chunk)
-            ctimes = []
-            for _ in range(steps):
-                dist.barrier()
-                t0 = time.perf_counter()
-                for i, p in enumerate(pieces):
-                    hook.aggregate(p, [(f"b{i}", p.numel())], bucket_index=10_000 + i, last=i == len(pieces) - 1)
-                ctimes.append(time.perf_counter() - t0)
-            rec["comm_s"] = statistics.median(ctimes)
-        t = torch.tensor([rec["step_s"], rec.get("comm_s", 0.0)], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the step
-        rec["step_s"], rec["comm_s"] = float(t[0]), float(t[1]) if mode != "powersgd" else None
-        results[mode] = rec
+        results[mode] = _measure_mode(mode, arch, topo, handed, x, y, n, rank, steps)
     results["bytes_pass"] = _bytes_pass(topo, n, rank, handed)
     if rank == 0:
         torch.save(results, os.path.join(folder, f"res-{arch}.pt"))
@@ -520,7 +540,8 @@ def overhead_only(args: argparse.Namespace, machine: Machine, argv: list[str] | 
     emit("comm", figures, ratios, machine.finish(argv, backend=f"none (compute only, {device.type})"))
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The bench's command line."""
     ap = argparse.ArgumentParser(prog="python -m bench.comm", description=__doc__.split("\n")[0])
     ap.add_argument("--workers", type=int, default=4, help="gloo processes (2..4)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per mode")
@@ -541,16 +562,13 @@ def main(argv: list[str] | None = None) -> None:
                          "processes, no projection): bench/gpu_suite.sh's step")
     ap.add_argument("--device", default="cpu", help="with --overhead-only: cpu or cuda")
     ap.add_argument("--overhead-reps", type=int, default=3, help="timed passes over the buckets (best is kept)")
-    args = ap.parse_args(argv)
-    machine = Machine()
-    if args.overhead_only:
-        overhead_only(args, machine, argv)
-        return
-    if not 2 <= args.workers <= 4:
-        ap.error(f"--workers: bad value {args.workers}; expected 2..4")
-    figures: dict[str, Any] = {"ratio": RATIO, "workers": args.workers, "bucket_mb": BUCKET_MB,
-                               "selection": SELECTION}
-    ratios: dict[str, float] = {}
+    return ap
+
+
+def _compression_costs(args: argparse.Namespace,
+                       figures: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """(CPU overhead, the overhead the projection uses, where that one was measured): the compression's own
+    compute on this CPU and, when there is one, on the GPU; both go into ``figures``."""
     over = compress_overhead(args.overhead_batch, RATIO, reps=args.overhead_reps)
     figures["compress_overhead"] = over
     figures["compress_overhead_frac"] = over[f"frac_{SELECTION}"]
@@ -563,85 +581,132 @@ def main(argv: list[str] | None = None) -> None:
     # Where the compression costs that feed the projection and the crossover were measured: until the suite has
     # run on a GPU, a CPU's figure (an upper bound), and every reader of the crossover must see that.
     figures["compression_cost_measured_on"] = "cuda" if src is not over else "cpu"
+    return over, src, src_label
+
+
+def _mode_figures(r: dict[str, Any], dense: dict[str, Any]) -> dict[str, Any]:
+    """One measured mode's figures: bytes counted and modelled (and against dense), step, backward, overlap."""
+    return {
+        "counted_handed_bytes_per_step": int(r["handed_bytes"]),
+        "counted_handed_bytes_by_group": {k: int(v) for k, v in r["handed_by_group"].items()},
+        "counted_handed_bytes_vs_dense": round(r["handed_bytes"] / dense["handed_bytes"], 5),
+        "modelled_wire_bytes_per_step": int(r["bytes"]),
+        "modelled_inter_node_bytes_per_step": int(r["inter_bytes"]),
+        "modelled_wire_bytes_vs_dense": round(r["bytes"] / dense["bytes"], 5),
+        "modelled_inter_node_bytes_vs_dense": round(r["inter_bytes"] / dense["inter_bytes"], 5),
+        "step_s": round(r["step_s"], 4), "step_vs_dense": round(r["step_s"] / dense["step_s"], 3),
+        "backward_s": round(r["backward_s"], 4), "overlap_frac": r["overlap_frac"],
+        "backward_window_share": round(r["window_share"], 4), "buckets_last_step": r["buckets"][-8:],
+        "comm_s": None if r["comm_s"] is None else round(r["comm_s"], 4)}
+
+
+def _mode_ratios(arch: str, mode: str, r: dict[str, Any], dense: dict[str, Any], ratios: dict[str, float]) -> None:
+    """Dense over ``mode`` for ``arch``: counted, modelled wire and inter-node bytes, and step time."""
+    ratios[f"{arch}_counted_handed_bytes_dense_over_{mode}"] = round(
+        dense["handed_bytes"] / max(r["handed_bytes"], 1), 3)
+    ratios[f"{arch}_modelled_wire_bytes_dense_over_{mode}"] = round(dense["bytes"] / max(r["bytes"], 1), 3)
+    ratios[f"{arch}_modelled_inter_node_bytes_dense_over_{mode}"] = round(
+        dense["inter_bytes"] / max(r["inter_bytes"], 1), 3)
+    ratios[f"{arch}_step_time_dense_over_{mode}"] = round(dense["step_s"] / r["step_s"], 3)
+
+
+def _arch_figures(arch: str, args: argparse.Namespace, over: dict[str, Any], src: dict[str, Any], src_label: str,
+                  figures: dict[str, Any], ratios: dict[str, float]) -> dict[str, Any]:
+    """Measure every mode on ``arch`` with gloo workers, then project to 16 x 8 V100 and solve the crossover
+    here; figures and ratios go into ``figures[arch]`` and ``ratios``. Returns the worker's bytes pass."""
+    res = measure(arch, args.workers, args.steps)
+    dense, n = res["dense"], res["elements"]
+    figures[arch] = {"elements": n, "measured": {}}
+    for mode in MODES:
+        r = res[mode]
+        figures[arch]["measured"][mode] = _mode_figures(r, dense)
+        if mode != "dense":
+            _mode_ratios(arch, mode, r, dense, ratios)
+    scale = n / src["elements"]
+    proj = project(arch, n, powersgd_elements(_model(arch), 2), src["seconds"][SELECTION] * scale,
+                   src["cast_bf16_s"] * scale, dense["window_share"], src_label)
+    figures[arch]["projection_16x8_v100_25gbps"] = proj
+    for mode in PROJECTED_MODES:
+        if mode != "dense":
+            ratios[f"{arch}_projected_step_dense_over_{mode}"] = round(
+                proj["modes"]["dense"]["step_s"] / proj["modes"][mode]["step_s"], 3)
+    cpu_scale = n / over["elements"]
+    figures[arch]["crossover_here_gbps"] = crossover_here(
+        n, args.workers, over["seconds"][SELECTION] * cpu_scale, over["cast_bf16_s"] * cpu_scale,
+        dense["window_share"] * dense["backward_s"], dense["step_s"])
+    return res["bytes_pass"]
+
+
+def _headline(archs: list[str], workers: int, bytes_passes: dict[str, Any], figures: dict[str, Any],
+              ratios: dict[str, float]) -> dict[str, Any]:
+    """The head model's (ResNet-50 when measured) inter-node bytes figure, crossover and auto pick into
+    ``figures``; returns the goals (empty without a model)."""
+    goals: dict[str, Any] = {}
+    if not archs:
+        return goals
+    head = "resnet50" if "resnet50" in archs else archs[0]
+    per_node = max(1, workers // 2)
+    fig, goal = inter_node_bytes_figure(head, figures[head]["elements"], bytes_passes[head],
+                                        workers // per_node, per_node)
+    figures["inter_node_bytes_dense_over_hierarchical_topk"] = fig
+    figures["inter_node_bytes_16_nodes"] = inter_node_bytes_16_nodes(fig, head)
+    goals["inter_node_bytes_100x"] = goal
+    for key, g in goal.items():
+        if isinstance(g, dict) and g.get("counted") is not None:
+            ratios[f"inter_node_bytes_dense_over_hierarchical_topk_{key}_compact"] = g["counted"]
+    proj = figures[head]["projection_16x8_v100_25gbps"]
+    figures["crossover_gbps"] = {m: r["crossover_gbps"] for m, r in proj["modes"].items() if m != "dense"}
+    figures["crossover_gbps_for"] = (f"{head}, {NODES} nodes x {GPUS_PER_NODE} V100, modelled "
+                                     f"({figures[head]['projection_16x8_v100_25gbps']['model']}); inputs under "
+                                     f"{head}.projection_16x8_v100_25gbps.inputs; None: never faster than dense; "
+                                     f"compression costs measured on "
+                                     f"{figures['compression_cost_measured_on']}"
+                                     + (" (an upper bound for a GPU)"
+                                        if figures["compression_cost_measured_on"] == "cpu" else ""))
+    figures["auto_mode"] = {"picks_at_25gbps": proj["auto_picks"], "why": proj["auto_why"]}
+    return goals
+
+
+def _accuracy_part(ap: argparse.ArgumentParser, args: argparse.Namespace, figures: dict[str, Any],
+                   ratios: dict[str, float]) -> None:
+    """With ``--accuracy``, the demo trainings and top-1 over dense; else a note that they did not run."""
+    if not args.accuracy:
+        figures["accuracy_demo"] = "not run (pass --accuracy): ratios.top1_topk_ef_over_dense is absent"
+        return
+    storage = args.storage or tempfile.mkdtemp(prefix="bench-comm-")
+    names = [v.strip() for v in args.accuracy_variants.split(",") if v.strip()]
+    unknown = [v for v in names if v not in ACCURACY_VARIANTS]
+    if unknown:
+        ap.error(f"--accuracy-variants: bad value {unknown[0]!r}; allowed: {', '.join(ACCURACY_VARIANTS)}")
+    extra = [f"--{kv}" for kv in args.set] + ([f"--scaling.seed={args.seed}"] if args.seed is not None else [])
+    acc = accuracy(storage, extra, args.epochs, args.accuracy_plain, names)
+    figures["accuracy_demo"] = acc
+    d = acc.get("dense", {}).get("final_top1")
+    for name in ("topk_ef", "topk_ef_0001", "topk_ef_plain"):
+        e = acc.get(name, {}).get("final_top1")
+        if d and e:
+            ratios[f"top1_{name}_over_dense"] = round(e / d, 4)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    machine = Machine()
+    if args.overhead_only:
+        overhead_only(args, machine, argv)
+        return
+    if not 2 <= args.workers <= 4:
+        ap.error(f"--workers: bad value {args.workers}; expected 2..4")
+    figures: dict[str, Any] = {"ratio": RATIO, "workers": args.workers, "bucket_mb": BUCKET_MB,
+                               "selection": SELECTION}
+    ratios: dict[str, float] = {}
+    over, src, src_label = _compression_costs(args, figures)
     archs = [a.strip() for a in args.models.split(",") if a.strip()]
     bytes_passes: dict[str, Any] = {}
     for arch in archs:
-        res = measure(arch, args.workers, args.steps)
-        bytes_passes[arch] = res["bytes_pass"]
-        dense, n = res["dense"], res["elements"]
-        figures[arch] = {"elements": n, "measured": {}}
-        for mode in MODES:
-            r = res[mode]
-            figures[arch]["measured"][mode] = {
-                "counted_handed_bytes_per_step": int(r["handed_bytes"]),
-                "counted_handed_bytes_by_group": {k: int(v) for k, v in r["handed_by_group"].items()},
-                "counted_handed_bytes_vs_dense": round(r["handed_bytes"] / dense["handed_bytes"], 5),
-                "modelled_wire_bytes_per_step": int(r["bytes"]),
-                "modelled_inter_node_bytes_per_step": int(r["inter_bytes"]),
-                "modelled_wire_bytes_vs_dense": round(r["bytes"] / dense["bytes"], 5),
-                "modelled_inter_node_bytes_vs_dense": round(r["inter_bytes"] / dense["inter_bytes"], 5),
-                "step_s": round(r["step_s"], 4), "step_vs_dense": round(r["step_s"] / dense["step_s"], 3),
-                "backward_s": round(r["backward_s"], 4), "overlap_frac": r["overlap_frac"],
-                "backward_window_share": round(r["window_share"], 4), "buckets_last_step": r["buckets"][-8:],
-                "comm_s": None if r["comm_s"] is None else round(r["comm_s"], 4)}
-            if mode != "dense":
-                ratios[f"{arch}_counted_handed_bytes_dense_over_{mode}"] = round(
-                    dense["handed_bytes"] / max(r["handed_bytes"], 1), 3)
-                ratios[f"{arch}_modelled_wire_bytes_dense_over_{mode}"] = round(dense["bytes"] / max(r["bytes"], 1), 3)
-                ratios[f"{arch}_modelled_inter_node_bytes_dense_over_{mode}"] = round(
-                    dense["inter_bytes"] / max(r["inter_bytes"], 1), 3)
-                ratios[f"{arch}_step_time_dense_over_{mode}"] = round(dense["step_s"] / r["step_s"], 3)
-        scale = n / src["elements"]
-        proj = project(arch, n, powersgd_elements(_model(arch), 2), src["seconds"][SELECTION] * scale,
-                       src["cast_bf16_s"] * scale, dense["window_share"], src_label)
-        figures[arch]["projection_16x8_v100_25gbps"] = proj
-        for mode in PROJECTED_MODES:
-            if mode != "dense":
-                ratios[f"{arch}_projected_step_dense_over_{mode}"] = round(
-                    proj["modes"]["dense"]["step_s"] / proj["modes"][mode]["step_s"], 3)
-        cpu_scale = n / over["elements"]
-        figures[arch]["crossover_here_gbps"] = crossover_here(
-            n, args.workers, over["seconds"][SELECTION] * cpu_scale, over["cast_bf16_s"] * cpu_scale,
-            dense["window_share"] * dense["backward_s"], dense["step_s"])
-    goals: dict[str, Any] = {}
-    if archs:
-        head = "resnet50" if "resnet50" in archs else archs[0]
-        per_node = max(1, args.workers // 2)
-        fig, goal = inter_node_bytes_figure(head, figures[head]["elements"], bytes_passes[head],
-                                            args.workers // per_node, per_node)
-        figures["inter_node_bytes_dense_over_hierarchical_topk"] = fig
-        figures["inter_node_bytes_16_nodes"] = inter_node_bytes_16_nodes(fig, head)
-        goals["inter_node_bytes_100x"] = goal
-        for key, g in goal.items():
-            if isinstance(g, dict) and g.get("counted") is not None:
-                ratios[f"inter_node_bytes_dense_over_hierarchical_topk_{key}_compact"] = g["counted"]
-        proj = figures[head]["projection_16x8_v100_25gbps"]
-        figures["crossover_gbps"] = {m: r["crossover_gbps"] for m, r in proj["modes"].items() if m != "dense"}
-        figures["crossover_gbps_for"] = (f"{head}, {NODES} nodes x {GPUS_PER_NODE} V100, modelled "
-                                         f"({figures[head]['projection_16x8_v100_25gbps']['model']}); inputs under "
-                                         f"{head}.projection_16x8_v100_25gbps.inputs; None: never faster than dense; "
-                                         f"compression costs measured on "
-                                         f"{figures['compression_cost_measured_on']}"
-                                         + (" (an upper bound for a GPU)"
-                                            if figures["compression_cost_measured_on"] == "cpu" else ""))
-        figures["auto_mode"] = {"picks_at_25gbps": proj["auto_picks"], "why": proj["auto_why"]}
-    figures["goals"] = goals
-    if args.accuracy:
-        storage = args.storage or tempfile.mkdtemp(prefix="bench-comm-")
-        names = [v.strip() for v in args.accuracy_variants.split(",") if v.strip()]
-        unknown = [v for v in names if v not in ACCURACY_VARIANTS]
-        if unknown:
-            ap.error(f"--accuracy-variants: bad value {unknown[0]!r}; allowed: {', '.join(ACCURACY_VARIANTS)}")
-        extra = [f"--{kv}" for kv in args.set] + ([f"--scaling.seed={args.seed}"] if args.seed is not None else [])
-        acc = accuracy(storage, extra, args.epochs, args.accuracy_plain, names)
-        figures["accuracy_demo"] = acc
-        d = acc.get("dense", {}).get("final_top1")
-        for name in ("topk_ef", "topk_ef_0001", "topk_ef_plain"):
-            e = acc.get(name, {}).get("final_top1")
-            if d and e:
-                ratios[f"top1_{name}_over_dense"] = round(e / d, 4)
-    else:
-        figures["accuracy_demo"] = "not run (pass --accuracy): ratios.top1_topk_ef_over_dense is absent"
+        bytes_passes[arch] = _arch_figures(arch, args, over, src, src_label, figures, ratios)
+    figures["goals"] = _headline(archs, args.workers, bytes_passes, figures, ratios)
+    _accuracy_part(ap, args, figures, ratios)
     emit("comm", figures, ratios, machine.finish(argv, backend="gloo (CPU)"))
 
 

@@ -200,7 +200,8 @@ def synthetic(phases: list[tuple], dry: bool) -> dict[int, float]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The bench's command line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--images", type=int, default=20000)
     ap.add_argument("--val-images", type=int, default=1000)
@@ -211,8 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", default="", help="folder for the data and the run (kept; reused source)")
     ap.add_argument("--phases", default=",".join(str(r) for r, _b, _m in PHASES),
                     help="which phases to run, by resolution (a dry run takes its tiny phases at the same places)")
-    args = ap.parse_args(argv)
-    machine = Machine()
+    return ap
+
+
+def _select_phases(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[tuple], tuple[int, int]]:
+    """(the phases asked for by ``--phases``, the source images' size); a dry run takes its tiny phases and
+    shrinks the data in ``args``."""
     dry = args.dry_run
     want = [int(r) for r in args.phases.split(",") if r.strip()]
     known = [r for r, _b, _m in PHASES]
@@ -224,58 +229,89 @@ def main(argv: list[str] | None = None) -> int:
     size = (96, 72) if dry else (500, 375)
     if dry:
         args.images, args.val_images, args.classes, args.raw_max = min(args.images, 96), 16, 4, 48
+    return phases, size
+
+
+def run_training(args: argparse.Namespace, work: pathlib.Path, phases: list[tuple], size: tuple[int, int],
+                 gpus: int, figures: dict[str, Any]) -> tuple[list[dict], GpuSampler]:
+    """Generate the JPEG source (unless there), then the whole run through app/run.py with the GPUs sampled;
+    returns (its metrics records, the sampler). Exits with the run's errors when it fails."""
+    src = work / "src"
+    t0 = time.perf_counter()
+    if not (src / "train").is_dir():
+        make_jpegs(src, args.images, args.val_images, args.classes, size, max(1, os.cpu_count() or 1))
+    figures["generate_s"] = round(time.perf_counter() - t0, 1)
+    note(f"{args.images} JPEGs in {figures['generate_s']} s; training")
+    shutil.rmtree(work / "runs", ignore_errors=True)
+    t0 = time.perf_counter()
+    with GpuSampler() as gpu:
+        proc = subprocess.run(run_args(src, work, phases, gpus, args.dry_run, args.raw_max), cwd=REPO,
+                              capture_output=True, text=True)
+    figures["run_s"] = round(time.perf_counter() - t0, 1)
+    if proc.returncode != 0:
+        # Ray's start-up chatter buries the cause: keep the lines that name an error, then the tails.
+        errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "rror" in ln][-20:]
+        raise SystemExit(f"gpu_e2e: app/run.py failed ({proc.returncode}):\n" + "\n".join(errors)
+                         + f"\n--- stdout tail:\n{proc.stdout[-1500:]}\n--- stderr tail:\n{proc.stderr[-1500:]}")
+    records = [json.loads(s) for s in (work / "runs" / "e2e" / "metrics.jsonl").read_text().splitlines() if s]
+    return records, gpu
+
+
+def _phase_figure(i: int, p: dict[str, Any], syn: float | None, util: dict[str, Any], on_device: bool,
+                  decode: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Phase ``i``'s figures: end to end against synthetic, data wait, GPU use, where it augmented and decoded,
+    and what starved it."""
+    e2e = p["e2e_img_s"]
+    ratio = round(e2e / syn, 3) if e2e and syn else None
+    return {
+        "e2e_img_s": e2e, "synthetic_img_s": syn, "ratio": ratio, "data_wait_frac": p["data_wait_frac"],
+        **util, "augment_on": "device" if on_device else "cpu",
+        "decode_on": decode[i]["on"] if i in decode else "raw tier: nothing to decode",
+        "decode_measured": {k: decode[i][k] for k in ("cpu_img_s_per_cpu", "device_img_s", "cpus_per_gpu")}
+        if i in decode else None,
+        "windows": p["windows"],
+        "starved_by": starved_by(ratio, p["data_wait_frac"], util["gpu_util_pct"], on_device,
+                                 decode.get(i, {}).get("on") == "device")}
+
+
+def summarise(records: list[dict], phases: list[tuple], dry: bool, gpu: GpuSampler, figures: dict[str, Any],
+              ratios: dict[str, Any]) -> None:
+    """Per phase, the run's figures against the synthetic ceiling (measured here) into ``figures["phases"]`` and
+    ``ratios``, then whether the goal was met."""
+    device_phases = {r["phase"] for r in records if r.get("event") == "unit" and r.get("unit") == "augment_on"
+                     and r.get("on") == "device" and "phase" in r}
+    decode = decode_paths(records)
+    for i, d in sorted(decode.items()):
+        note(f"phase {i} ({phases[i][0]} px) decode: {d['on']} ({d['why']})")
+    note("synthetic")
+    synth = synthetic(phases, dry)
+    per = phase_figures(records, phases)
+    for i, (res, _b, _m) in enumerate(phases):
+        p = per[res]
+        util = gpu.between(p["t0"], p["t1"])
+        figures["phases"][str(res)] = _phase_figure(i, p, synth.get(res), util, i in device_phases, decode)
+        ratios[f"e2e_over_synthetic_{res}px"] = figures["phases"][str(res)]["ratio"]
+    figures["goal"] = f"end-to-end >= {GOAL} x synthetic in every phase"
+    figures["goal_met"] = all(ph["ratio"] is not None and ph["ratio"] >= GOAL for ph in figures["phases"].values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    machine = Machine()
+    dry = args.dry_run
+    phases, size = _select_phases(ap, args)
     import torch
 
     gpus = 0 if dry else torch.cuda.device_count()
     if not dry and gpus == 0:
         ap.error("no CUDA device visible; use --dry-run to check the script on CPU")
     work = pathlib.Path(args.keep or tempfile.mkdtemp(prefix="lightray-gpu-e2e-"))
-    src = work / "src"
     figures: dict[str, Any] = {"phases": {}}
     ratios: dict[str, Any] = {}
     try:
-        t0 = time.perf_counter()
-        if not (src / "train").is_dir():
-            make_jpegs(src, args.images, args.val_images, args.classes, size, max(1, os.cpu_count() or 1))
-        figures["generate_s"] = round(time.perf_counter() - t0, 1)
-        note(f"{args.images} JPEGs in {figures['generate_s']} s; training")
-        shutil.rmtree(work / "runs", ignore_errors=True)
-        t0 = time.perf_counter()
-        with GpuSampler() as gpu:
-            proc = subprocess.run(run_args(src, work, phases, gpus, dry, args.raw_max), cwd=REPO,
-                                  capture_output=True, text=True)
-        figures["run_s"] = round(time.perf_counter() - t0, 1)
-        if proc.returncode != 0:
-            # Ray's start-up chatter buries the cause: keep the lines that name an error, then the tails.
-            errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "rror" in ln][-20:]
-            raise SystemExit(f"gpu_e2e: app/run.py failed ({proc.returncode}):\n" + "\n".join(errors)
-                             + f"\n--- stdout tail:\n{proc.stdout[-1500:]}\n--- stderr tail:\n{proc.stderr[-1500:]}")
-        records = [json.loads(s) for s in (work / "runs" / "e2e" / "metrics.jsonl").read_text().splitlines() if s]
-        device_phases = {r["phase"] for r in records if r.get("event") == "unit" and r.get("unit") == "augment_on"
-                         and r.get("on") == "device" and "phase" in r}
-        decode = decode_paths(records)
-        for i, d in sorted(decode.items()):
-            note(f"phase {i} ({phases[i][0]} px) decode: {d['on']} ({d['why']})")
-        note("synthetic")
-        synth = synthetic(phases, dry)
-        per = phase_figures(records, phases)
-        for i, (res, _b, _m) in enumerate(phases):
-            p = per[res]
-            e2e, syn = p["e2e_img_s"], synth.get(res)
-            ratio = round(e2e / syn, 3) if e2e and syn else None
-            util = gpu.between(p["t0"], p["t1"])
-            figures["phases"][str(res)] = {
-                "e2e_img_s": e2e, "synthetic_img_s": syn, "ratio": ratio, "data_wait_frac": p["data_wait_frac"],
-                **util, "augment_on": "device" if i in device_phases else "cpu",
-                "decode_on": decode[i]["on"] if i in decode else "raw tier: nothing to decode",
-                "decode_measured": {k: decode[i][k] for k in ("cpu_img_s_per_cpu", "device_img_s", "cpus_per_gpu")}
-                if i in decode else None,
-                "windows": p["windows"],
-                "starved_by": starved_by(ratio, p["data_wait_frac"], util["gpu_util_pct"], i in device_phases,
-                                         decode.get(i, {}).get("on") == "device")}
-            ratios[f"e2e_over_synthetic_{res}px"] = ratio
-        figures["goal"] = f"end-to-end >= {GOAL} x synthetic in every phase"
-        figures["goal_met"] = all(ph["ratio"] is not None and ph["ratio"] >= GOAL for ph in figures["phases"].values())
+        records, gpu = run_training(args, work, phases, size, gpus, figures)
+        summarise(records, phases, dry, gpu, figures, ratios)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

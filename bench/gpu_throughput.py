@@ -26,6 +26,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,7 +52,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_variant(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+def _variant_configs(name: str, args: argparse.Namespace,
+                     device: torch.device) -> tuple[ModelConfig, OptimConfig, bool]:
+    """(model config, optimiser config, whether the variant is plain PyTorch) of variant ``name``; on CUDA also
+    sets cuDNN's benchmark and TF32 as that variant would."""
     plain = name.startswith("plain")  # torch's SGD, no zero-init: plain PyTorch in every plain* variant
     fp32_plain = name == "plain"  # the out-of-the-box baseline: fp32, NCHW, cudnn.benchmark off
     mcfg = ModelConfig(arch=args.arch, zero_init_residual=not plain, channels_last=not fp32_plain,
@@ -65,36 +69,34 @@ def run_variant(name: str, args: argparse.Namespace, device: torch.device) -> di
             dev.enable_cudnn_benchmark(mcfg, device)
         elif not fp32_plain:
             torch.backends.cudnn.benchmark = True  # what a careful plain-PyTorch user sets by hand
-    torch.manual_seed(0)
-    model = to_device(build_model(mcfg, args.classes), device, mcfg)
-    precision = dev.precision_for(mcfg, device)
-    scaler = dev.make_grad_scaler(precision, device)
+    return mcfg, ocfg, plain
+
+
+def _optimizer(model: torch.nn.Module, ocfg: OptimConfig, plain: bool, device: torch.device) -> torch.optim.Optimizer:
+    """The variant's optimiser at LR 0.1 and momentum 0.9: torch's own SGD for plain variants, lightray's else."""
     if plain:  # torch's out-of-the-box SGD (foreach on CUDA), decay on every tensor
         opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True,
                                                      weight_decay=5e-5)
     else:
         opt = build_optimizer(model, ocfg, device)
     set_lr_momentum(opt, 0.1, 0.9)
-    loss_fn = build_loss(ocfg)
-    step_model = dev.maybe_compile(model, mcfg, device)
-    compile_applied = step_model is not model
+    return opt
+
+
+def _batches(args: argparse.Namespace, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Three seeded random uint8 image batches (NHWC) and their labels, on ``device``."""
     g = torch.Generator(device="cpu").manual_seed(1)
     # Several batches in rotation so the timing is not of one cached input (METHOD: rotate inputs).
     images = [torch.randint(0, 256, (args.batch, args.res, args.res, 3), dtype=torch.uint8, generator=g).to(device)
               for _ in range(3)]
     labels = [torch.randint(0, args.classes, (args.batch,), generator=g).to(device) for _ in range(3)]
+    return images, labels
 
-    def step(i: int) -> torch.Tensor:
-        x = dev.images_to_device(images[i % 3], device, channels_last=mcfg.channels_last)
-        with dev.autocast(precision, device):
-            loss = loss_fn(step_model(x), labels[i % 3])
-        opt.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        return loss
 
-    model.train()
+def _timed(step: Callable[[int], torch.Tensor], args: argparse.Namespace,
+           device: torch.device) -> tuple[float, list[float], torch.Tensor]:
+    """``--warmup`` untimed steps, then ``--windows`` timed windows of ``--steps``: (warm-up seconds, images/s
+    per window, the last step's loss)."""
     t0 = time.perf_counter()
     for i in range(args.warmup):
         loss = step(i)
@@ -107,6 +109,33 @@ def run_variant(name: str, args: argparse.Namespace, device: torch.device) -> di
             loss = step(i)
         _sync(device)
         rates.append(args.batch * args.steps / (time.perf_counter() - t))
+    return warmup_s, rates, loss
+
+
+def run_variant(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    mcfg, ocfg, plain = _variant_configs(name, args, device)
+    torch.manual_seed(0)
+    model = to_device(build_model(mcfg, args.classes), device, mcfg)
+    precision = dev.precision_for(mcfg, device)
+    scaler = dev.make_grad_scaler(precision, device)
+    opt = _optimizer(model, ocfg, plain, device)
+    loss_fn = build_loss(ocfg)
+    step_model = dev.maybe_compile(model, mcfg, device)
+    compile_applied = step_model is not model
+    images, labels = _batches(args, device)
+
+    def step(i: int) -> torch.Tensor:
+        x = dev.images_to_device(images[i % 3], device, channels_last=mcfg.channels_last)
+        with dev.autocast(precision, device):
+            loss = loss_fn(step_model(x), labels[i % 3])
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss
+
+    model.train()
+    warmup_s, rates, loss = _timed(step, args, device)
     final_loss = float(loss.detach().float())
     if not torch.isfinite(torch.tensor(final_loss)):
         raise RuntimeError(f"{name}: loss became {final_loss}")
@@ -128,7 +157,8 @@ def device_info(device: torch.device, dry_run: bool) -> dict[str, Any]:
     return info
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def build_parser() -> argparse.ArgumentParser:
+    """The bench's command line."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default="resnet50", choices=["resnet_tiny", "resnet18", "resnet34", "resnet50"])
     p.add_argument("--batch", type=int, default=256)
@@ -139,21 +169,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--windows", type=int, default=3, help="timed windows; the median is reported")
     p.add_argument("--variants", default="plain,lightray,lightray_compile")
     p.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on CPU: checks the script, times nothing")
-    args = p.parse_args(argv)
-    machine = Machine()
-    if args.cpu_dry_run:
-        device = torch.device("cpu")
-        args.batch, args.res, args.classes, args.warmup, args.steps, args.windows = 2, 32, 10, 1, 1, 1
-    else:
-        if not torch.cuda.is_available():
-            p.error("no CUDA device visible; use --cpu-dry-run to check the script on CPU")
-        device = dev.select_device()
-    variants = [v for v in args.variants.split(",") if v]
-    bad = [v for v in variants if v not in VARIANTS]
-    if bad:
-        p.error(f"--variants: unknown {bad}; allowed: {', '.join(VARIANTS)}")
+    return p
+
+
+def measure(variants: list[str], args: argparse.Namespace, device: torch.device,
+            figures: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Run every variant in turn; a failing one is recorded as ``figures[<variant>_error]`` and the rest go on.
+    Exits when every variant failed."""
     results: dict[str, dict[str, Any]] = {}
-    figures: dict[str, Any] = {"arch": args.arch, "batch": args.batch, "resolution": args.res}
     for v in variants:
         try:
             results[v] = run_variant(v, args, device)
@@ -166,6 +189,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 torch.cuda.empty_cache()
     if not results:
         raise SystemExit("gpu_throughput: every variant failed; see the errors above")
+    return results
+
+
+def _variant_figures(results: dict[str, dict[str, Any]], figures: dict[str, Any]) -> None:
+    """Each variant's images/s, range, warm-up, precision, compile and peak memory, then the reference, the
+    target and the best lightray variant over the target, into ``figures``."""
     for v, r in results.items():
         figures[f"{v}_img_s"] = _r(r["img_s"])
         figures[f"{v}_img_s_range"] = [_r(r["img_s_min"]), _r(r["img_s_max"])]
@@ -179,6 +208,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     mine = [r["img_s"] for v, r in results.items() if v.startswith("lightray")]
     best = max(mine) if mine else 0.0
     figures["best_over_target"] = _r(best / TARGET_H200_IMG_S)
+
+
+def _ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Images/s ratios: every variant over plain, lightray over plain PyTorch done right, compile over eager."""
     ratios = {}
     if "plain" in results:
         for v in results:
@@ -190,6 +223,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ratios[f"{mine_v}_over_{theirs_v}"] = _r(results[mine_v]["img_s"] / results[theirs_v]["img_s"])
     if "lightray" in results and "lightray_compile" in results:
         ratios["compile_over_eager"] = _r(results["lightray_compile"]["img_s"] / results["lightray"]["img_s"])
+    return ratios
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = build_parser()
+    args = p.parse_args(argv)
+    machine = Machine()
+    if args.cpu_dry_run:
+        device = torch.device("cpu")
+        args.batch, args.res, args.classes, args.warmup, args.steps, args.windows = 2, 32, 10, 1, 1, 1
+    else:
+        if not torch.cuda.is_available():
+            p.error("no CUDA device visible; use --cpu-dry-run to check the script on CPU")
+        device = dev.select_device()
+    variants = [v for v in args.variants.split(",") if v]
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        p.error(f"--variants: unknown {bad}; allowed: {', '.join(VARIANTS)}")
+    figures: dict[str, Any] = {"arch": args.arch, "batch": args.batch, "resolution": args.res}
+    results = measure(variants, args, device, figures)
+    _variant_figures(results, figures)
+    ratios = _ratios(results)
     return emit("gpu_throughput", figures, ratios, machine.finish(argv, **device_info(device, args.cpu_dry_run)))
 
 

@@ -48,6 +48,7 @@ quoted as unresolved, not as a number.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -57,7 +58,7 @@ import sys
 import tempfile
 import time
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -294,7 +295,8 @@ def lightray_in_child(argv: list[str]) -> dict[str, Any]:
     return json.loads(lines[-1])
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The bench's command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=400)
@@ -307,7 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads per training process, on both sides")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks that the bench works, not speed")
     p.add_argument("--lightray-child", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Apply ``--quick``'s sizes, then reject inconsistent steps, warm-up, batch, pairs and threads."""
     if args.quick:
         args.steps, args.warmup, args.batch, args.report_every = 12, 4, 32, 4
     for key in ("steps", "warmup"):
@@ -320,48 +326,64 @@ def main(argv: list[str] | None = None) -> int:
     if args.pairs < 1 or args.threads < 1:
         p.error("--pairs and --threads: expected positive integers")
 
-    if args.lightray_child:  # (b) alone, its result as one JSON line for the parent
-        images, labels = make_data(args.steps, args.batch, args.resolution, args.classes)
-        with tempfile.TemporaryDirectory(prefix="bench-overhead-") as storage:
-            cfg = build_config(args, storage, f"overhead-{int(time.time())}")
-            light = run_lightray(images, labels, cfg, args.steps, args.warmup,
-                                 val_n=min(len(labels), 2 * args.batch), threads=args.threads)
-        sys.stdout.write(json.dumps(light) + "\n")
-        sys.stdout.flush()
-        os._exit(0)  # skip Ray's own exit handlers: the result is out
-    machine = Machine()
+
+def _lightray_child(args: argparse.Namespace) -> NoReturn:
+    """(b) alone, in the child process: its result as one JSON line for the parent, then exit at once."""
     images, labels = make_data(args.steps, args.batch, args.resolution, args.classes)
-    child_argv = argv if argv is not None else sys.argv[1:]
-    plains: list[dict[str, Any]] = []
-    lights: list[dict[str, Any]] = []
-    orders: list[str] = []
-    loads: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="bench-overhead-") as storage:
+        cfg = build_config(args, storage, f"overhead-{int(time.time())}")
+        light = run_lightray(images, labels, cfg, args.steps, args.warmup,
+                             val_n=min(len(labels), 2 * args.batch), threads=args.threads)
+    sys.stdout.write(json.dumps(light) + "\n")
+    sys.stdout.flush()
+    os._exit(0)  # skip Ray's own exit handlers: the result is out
+
+
+@dataclasses.dataclass
+class Pairs:
+    """The A/B pairs' results: each side's runs, the order each pair ran in and the load at its start."""
+    plains: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    lights: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    orders: list[str] = dataclasses.field(default_factory=list)
+    loads: list[float] = dataclasses.field(default_factory=list)
+
+
+def measure(args: argparse.Namespace, images: np.ndarray, labels: np.ndarray,
+            child_argv: list[str]) -> tuple[Any, Pairs]:
+    """Run ``--pairs`` interleaved A/B pairs, plain here and lightray in a child; returns (the config, the pairs)."""
+    pairs = Pairs()
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as storage:
         cfg = build_config(args, storage, f"overhead-{int(time.time())}")
         for pair in range(args.pairs):
             # Alternate which side goes first: a load that rises or falls through the pair then favours each
             # side equally often instead of always the same one.
             order = ("plain", "lightray") if pair % 2 == 0 else ("lightray", "plain")
-            orders.append("-".join(order))
-            loads.append(load_avg())
+            pairs.orders.append("-".join(order))
+            pairs.loads.append(load_avg())
             for side in order:
                 note(f"pair {pair + 1}/{args.pairs}: {side} ({args.workers} workers, {args.threads} torch thread(s) "
                      f"each; load {load_avg()})")
                 if side == "plain":
-                    plains.append(run_plain(images, labels, cfg.to_dict(), args.workers, args.steps, args.warmup,
-                                            args.threads))
+                    pairs.plains.append(run_plain(images, labels, cfg.to_dict(), args.workers, args.steps,
+                                                  args.warmup, args.threads))
                 else:
-                    lights.append(lightray_in_child(child_argv))
-            note(f"pair {pair + 1}: plain {plains[-1]['steps_per_s']:.2f}, lightray {lights[-1]['steps_per_s']:.2f} "
-                 "steps/s")
+                    pairs.lights.append(lightray_in_child(child_argv))
+            note(f"pair {pair + 1}: plain {pairs.plains[-1]['steps_per_s']:.2f}, lightray "
+                 f"{pairs.lights[-1]['steps_per_s']:.2f} steps/s")
+    return cfg, pairs
+
+
+def summarise(args: argparse.Namespace, cfg: Any, pairs: Pairs) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(figures, ratios): each side's medians and runs, and lightray over plain per pair, judged on its spread."""
+    plains, lights = pairs.plains, pairs.lights
     per_pair = [ratio(lt["steps_per_s"], pl["steps_per_s"]) for lt, pl in zip(lights, plains)]
     verdict = resolved_ratio(per_pair)
     plain_sps = statistics.median(r["steps_per_s"] for r in plains)
     light_sps = statistics.median(r["steps_per_s"] for r in lights)
     figures = {
         "workers": args.workers, "model": cfg.model.arch, "resolution": args.resolution, "global_batch": args.batch,
-        "steps": args.steps, "warmup_steps_excluded": args.warmup, "pairs": args.pairs, "pair_orders": orders,
-        "load_1m_at_pair_start": loads,
+        "steps": args.steps, "warmup_steps_excluded": args.warmup, "pairs": args.pairs, "pair_orders": pairs.orders,
+        "load_1m_at_pair_start": pairs.loads,
         "plain_steps_per_s": round(plain_sps, 3),
         "plain_steps_per_s_runs": [round(r["steps_per_s"], 3) for r in plains],
         "plain_images_per_s": round(plain_sps * args.batch, 1),
@@ -384,6 +406,20 @@ def main(argv: list[str] | None = None) -> int:
               "lightray_over_plain_steps_per_s_max": verdict["max"],
               "lightray_over_plain_steps_per_s_pairs": verdict["runs"],
               "spread": verdict["spread"], "gap": verdict["gap"], "resolved": verdict["resolved"]}
+    return figures, ratios
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    _check_args(p, args)
+    if args.lightray_child:  # (b) alone, its result as one JSON line for the parent
+        _lightray_child(args)
+    machine = Machine()
+    images, labels = make_data(args.steps, args.batch, args.resolution, args.classes)
+    child_argv = argv if argv is not None else sys.argv[1:]
+    cfg, pairs = measure(args, images, labels, child_argv)
+    figures, ratios = summarise(args, cfg, pairs)
     emit("overhead", figures, ratios, machine.finish(quick=args.quick, threads=args.threads))
     return 0
 

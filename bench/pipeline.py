@@ -74,11 +74,15 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
 from PIL import Image
 
 from bench.common import Machine, emit, load_avg, note, tree_pss_mb
+
+if TYPE_CHECKING:
+    from lightray.data.manifest import Manifest
 
 MIN_SCALE = 0.35
 BATCH = 128
@@ -398,7 +402,8 @@ def per_core(figures: dict, sizes: list[int], cores: int, gpu_img_s: float, gpu_
                                       f"the per-core figure at {basis} px")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The bench's command line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--images", type=int, default=3000, help="training images to generate")
     ap.add_argument("--sizes", default="128,224", help="output sizes, px")
@@ -415,6 +420,185 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-img-s", type=float, default=GPU_IMG_S_H200_RN50_224,
                     help="a GPU's training appetite, img/s (default: synthetic ResNet-50 on one H200 at 224 px)")
     ap.add_argument("--gpu-img-s-size", type=int, default=224, help="the size the --gpu-img-s figure is at, px")
+    return ap
+
+
+def _start_ray(cores: int) -> None:
+    """A local Ray cluster of exactly ``cores`` CPUs (one retry when start-up times out), progress bars off."""
+    import ray
+
+    # address="local": a cluster of exactly this CPU budget, never someone else's running one.
+    try:
+        ray.init(address="local", num_cpus=cores, include_dashboard=False, log_to_driver=False)
+    except Exception as exc:  # "node timed out during startup" on an overloaded machine: one more try
+        print(f"bench.pipeline: ray.init failed ({exc}); retrying once", file=sys.stderr)
+        ray.shutdown()
+        ray.init(address="local", num_cpus=cores, include_dashboard=False, log_to_driver=False)
+    from ray.data import DataContext
+
+    DataContext.get_current().enable_progress_bars = False
+
+
+def _prepare_caches(src: pathlib.Path, work: pathlib.Path, sizes: list[int], cores: int,
+                    figures: dict) -> tuple[Manifest, Manifest, Manifest, float]:
+    """Prepare the shard caches the lightray variants read: (the default cache's manifest, an every-tier-raw
+    one's for the device path, a JPEG one's for device decode, the default prepare's seconds); their seconds
+    and the default prepare's peak memory go into ``figures``."""
+    from lightray.data.manifest import Manifest
+    from lightray.data.prepare import prepare
+
+    cache = work / "cache"
+    shutil.rmtree(work / "cache_raw", ignore_errors=True)
+    shutil.rmtree(work / "cache_jpeg", ignore_errors=True)
+    shutil.rmtree(cache, ignore_errors=True)
+    shutil.rmtree(work / "local", ignore_errors=True)
+    with PeakMemory() as mem:
+        t0 = time.perf_counter()
+        manifest = Manifest.load(str(prepare(str(src), str(cache), sizes, raw_max_resolution=64,
+                                             shard_rows=256, num_cpus=1.0, concurrency=cores)))
+        prepare_s = time.perf_counter() - t0
+    figures["prepare_s"] = round(prepare_s, 2)
+    figures["prepare_peak_mb"] = round(mem.peak)
+    # The device path needs tiers stored decoded: a second cache of the same images with every tier raw.
+    t0 = time.perf_counter()
+    raw_manifest = Manifest.load(str(prepare(str(src), str(work / "cache_raw"), sizes,
+                                             raw_max_resolution=max(sizes), shard_rows=256, num_cpus=1.0,
+                                             concurrency=cores)))
+    figures["prepare_raw_s"] = round(time.perf_counter() - t0, 2)
+    # The device-decode path needs tiers stored as JPEG: sizes at or below the raw threshold get a third cache.
+    jpeg_manifest = manifest
+    if any(manifest.format("train", manifest.tier_for("train", s)) != "jpeg" for s in sizes):
+        t0 = time.perf_counter()
+        jpeg_manifest = Manifest.load(str(prepare(str(src), str(work / "cache_jpeg"), sizes, raw_max_resolution=0,
+                                                  shard_rows=256, num_cpus=1.0, concurrency=cores)))
+        figures["prepare_jpeg_s"] = round(time.perf_counter() - t0, 2)
+    return manifest, raw_manifest, jpeg_manifest, prepare_s
+
+
+def _cold_and_shard(manifest: Manifest, s: int, local: str, epochs: int, batch: int, tune_s: float, prepare_s: float,
+                    figures: dict) -> None:
+    """Variants (b) cold (prepare + calibration + one epoch copying each shard to an empty node-local
+    directory) and (c) the node-local shard cache, at ``s`` px, into ``figures``."""
+    n = manifest.num_samples("train")
+    # (b) cold: prepare + calibration + one epoch that copies each shard to an empty node-local directory.
+    spec = _spec(manifest, s, local, 1, batch)
+    calib_s = _tuned(spec, tune_s, figures, f"cold_{s}px")
+    _, dt, peak = lightray_epochs(spec)
+    figures[f"cold_{s}px_images_per_s"] = round(n // batch * batch / (prepare_s + calib_s + dt), 1)
+    figures[f"cold_{s}px_peak_mb"] = round(max(peak, figures["prepare_peak_mb"]))
+    # (c) the node-local shard cache.
+    spec = _spec(manifest, s, local, epochs, batch)
+    _tuned(spec, tune_s, figures, f"shard_{s}px")
+    rate, _, peak = lightray_epochs(spec)
+    figures[f"shard_{s}px_images_per_s"] = round(rate, 1)
+    figures[f"shard_{s}px_peak_mb"] = round(peak)
+    figures[f"shard_{s}px_one_process_images_per_s"] = round(lightray_one_process(spec), 1)
+
+
+def _object_level(manifest: Manifest, s: int, local: str, epochs: int, batch: int, tune_s: float,
+                  figures: dict) -> None:
+    """Variant (d): the shards materialized at the object-store level, at ``s`` px, into ``figures``."""
+    from lightray.data import shard_cache
+
+    spec = _spec(manifest, s, local, epochs, batch)
+    t0 = time.perf_counter()
+    spec.phases[0].shards.refs = shard_cache.materialize(spec.phases[0].shards.uris,
+                                                         spec.phases[0].shards.sha256,
+                                                         spec.phases[0].shards.fmt, local, 1.0)
+    figures[f"object_{s}px_materialize_s"] = round(time.perf_counter() - t0, 2)
+    _tuned(spec, tune_s, figures, f"object_{s}px")
+    rate, _, peak = lightray_epochs(spec)
+    figures[f"object_{s}px_images_per_s"] = round(rate, 1)
+    figures[f"object_{s}px_peak_mb"] = round(peak)
+
+
+def _device_aug(raw_manifest: Manifest, s: int, local: str, epochs: int, batch: int, tune_s: float, figures: dict,
+                ratios: dict) -> None:
+    """Variant (e), device augmentation: a raw tier from the node-local shard cache, the crop left to the
+    device, at ``s`` px; the crop alone is timed too."""
+    import torch
+
+    from lightray.data.ingest import plan_augmentation
+
+    spec = _spec(raw_manifest, s, local, epochs, batch)
+    plan_augmentation(spec, "device", torch.cuda.is_available())
+    _tuned(spec, tune_s, figures, f"device_{s}px")
+    rate, _, peak = lightray_epochs(spec, cuda_copy())
+    figures[f"device_{s}px_images_per_s"] = round(rate, 1)
+    figures[f"device_{s}px_peak_mb"] = round(peak)
+    op_rate, figures["device_op_device"] = time_device_op(spec, s)
+    figures[f"device_op_{s}px_images_per_s"] = round(op_rate, 1)
+    ratios[f"device_aug_over_cpu_aug_{s}px"] = round(rate / max(1e-9, figures[f"shard_{s}px_images_per_s"]), 2)
+
+
+def _device_decode(jpeg_manifest: Manifest, s: int, local: str, epochs: int, batch: int, tune_s: float, cores: int,
+                   figures: dict, ratios: dict) -> None:
+    """Variant (f), device decode: the JPEG tier's bytes passed through, decoded and cropped by the consumer,
+    at ``s`` px; the consumer's decode + crop alone is timed too."""
+    import torch
+
+    from lightray.data.ingest import plan_decode
+
+    spec = _spec(jpeg_manifest, s, local, epochs, batch)
+    plan_decode(spec, "device", torch.cuda.is_available(), cpus_per_gpu=float(cores))
+    _tuned(spec, tune_s, figures, f"device_decode_{s}px")
+    consume, _ = decode_consumer(s)
+    rate, _, peak = lightray_epochs(spec, consume)
+    figures[f"device_decode_{s}px_images_per_s"] = round(rate, 1)
+    figures[f"device_decode_{s}px_peak_mb"] = round(peak)
+    figures[f"device_decode_op_{s}px_images_per_s"] = round(time_decode_op(spec, s), 1)
+    ratios[f"device_decode_over_cpu_aug_{s}px"] = round(
+        rate / max(1e-9, figures[f"shard_{s}px_images_per_s"]), 2)
+
+
+def _baseline_ratios(s: int, figures: dict, ratios: dict) -> None:
+    """lightray over each DataLoader baseline at ``s`` px: steady passes (shard, object) and cold first passes."""
+    for b in ("resized", "original"):
+        base = f"dataloader_{b}_{s}px"
+        for v in ("shard", "object"):
+            ratios[f"{v}_vs_{base}"] = round(
+                figures[f"{v}_{s}px_images_per_s"] / figures[f"{base}_images_per_s"], 2)
+        ratios[f"cold_vs_dataloader_{b}_cold_{s}px"] = round(
+            figures[f"cold_{s}px_images_per_s"] / figures[f"{base}_cold_images_per_s"], 2)
+
+
+def _device_labels(figures: dict, cuda: bool) -> None:
+    """Say where the device paths ran (the GPU, or the CPU device when there is none)."""
+    figures["device_path_device"] = ("cuda: the crop runs on the GPU" if cuda else
+                                     "cpu: no GPU here; the device path ran on the CPU device")
+    figures["device_decode_device"] = (
+        "cuda: batched nvJPEG decode + crop on the GPU" if cuda else
+        "cpu: no GPU here; decode_jpeg + crop ran on the CPU device in the consumer, on the same cores as the "
+        "Ray Data tasks")
+
+
+def measure(args: argparse.Namespace, work: pathlib.Path, sizes: list[int], cores: int, batch: int,
+            figures: dict, ratios: dict) -> None:
+    """Every variant, baselines first, then lightray's after preparing its caches on a local Ray cluster;
+    figures and ratios land in ``figures`` and ``ratios``."""
+    import torch
+
+    src = work / "src"
+    if not (src / "train").is_dir() or sum(1 for _ in (src / "train").rglob("*.jpg")) != args.images:
+        shutil.rmtree(src, ignore_errors=True)
+        make_source(src, args.images)
+    figures.update(baselines(src, work, sizes, cores, args.baseline_epochs, batch))
+    _start_ray(cores)
+    manifest, raw_manifest, jpeg_manifest, prepare_s = _prepare_caches(src, work, sizes, cores, figures)
+    local, tune_s = str(work / "local"), args.autotune_seconds
+    for s in sizes:
+        _cold_and_shard(manifest, s, local, args.epochs, batch, tune_s, prepare_s, figures)
+        _object_level(manifest, s, local, args.epochs, batch, tune_s, figures)
+        _device_aug(raw_manifest, s, local, args.epochs, batch, tune_s, figures, ratios)
+        _device_decode(jpeg_manifest, s, local, args.epochs, batch, tune_s, cores, figures, ratios)
+        _baseline_ratios(s, figures, ratios)
+    _device_labels(figures, torch.cuda.is_available())
+    per_core(figures, sizes, cores, args.gpu_img_s, args.gpu_img_s_size)
+    gap_breakdown(figures, ratios, sizes, cores)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     machine = Machine()
     if args.quick or args.cpu_dry_run:
@@ -427,124 +611,12 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     import ray
-    import torch
-
-    from lightray.data import shard_cache
-    from lightray.data.ingest import plan_augmentation, plan_decode
-    from lightray.data.manifest import Manifest
-    from lightray.data.prepare import prepare
 
     work = pathlib.Path(args.keep or tempfile.mkdtemp(prefix="lightray-bench-pipeline-"))
-    src = work / "src"
     figures: dict[str, float] = {}
     ratios: dict[str, float] = {}
     try:
-        if not (src / "train").is_dir() or sum(1 for _ in (src / "train").rglob("*.jpg")) != args.images:
-            shutil.rmtree(src, ignore_errors=True)
-            make_source(src, args.images)
-        figures.update(baselines(src, work, sizes, cores, args.baseline_epochs, batch))
-
-        # address="local": a cluster of exactly this CPU budget, never someone else's running one.
-        try:
-            ray.init(address="local", num_cpus=cores, include_dashboard=False, log_to_driver=False)
-        except Exception as exc:  # "node timed out during startup" on an overloaded machine: one more try
-            print(f"bench.pipeline: ray.init failed ({exc}); retrying once", file=sys.stderr)
-            ray.shutdown()
-            ray.init(address="local", num_cpus=cores, include_dashboard=False, log_to_driver=False)
-        from ray.data import DataContext
-
-        DataContext.get_current().enable_progress_bars = False
-        cache, local = work / "cache", work / "local"
-        shutil.rmtree(work / "cache_raw", ignore_errors=True)
-        shutil.rmtree(work / "cache_jpeg", ignore_errors=True)
-        shutil.rmtree(cache, ignore_errors=True)
-        shutil.rmtree(local, ignore_errors=True)
-        with PeakMemory() as mem:
-            t0 = time.perf_counter()
-            manifest = Manifest.load(str(prepare(str(src), str(cache), sizes, raw_max_resolution=64,
-                                                 shard_rows=256, num_cpus=1.0, concurrency=cores)))
-            prepare_s = time.perf_counter() - t0
-        figures["prepare_s"] = round(prepare_s, 2)
-        figures["prepare_peak_mb"] = round(mem.peak)
-        # The device path needs tiers stored decoded: a second cache of the same images with every tier raw.
-        t0 = time.perf_counter()
-        raw_manifest = Manifest.load(str(prepare(str(src), str(work / "cache_raw"), sizes,
-                                                 raw_max_resolution=max(sizes), shard_rows=256, num_cpus=1.0,
-                                                 concurrency=cores)))
-        figures["prepare_raw_s"] = round(time.perf_counter() - t0, 2)
-        # The device-decode path needs tiers stored as JPEG: sizes at or below the raw threshold get a third cache.
-        jpeg_manifest = manifest
-        if any(manifest.format("train", manifest.tier_for("train", s)) != "jpeg" for s in sizes):
-            t0 = time.perf_counter()
-            jpeg_manifest = Manifest.load(str(prepare(str(src), str(work / "cache_jpeg"), sizes, raw_max_resolution=0,
-                                                      shard_rows=256, num_cpus=1.0, concurrency=cores)))
-            figures["prepare_jpeg_s"] = round(time.perf_counter() - t0, 2)
-        n = manifest.num_samples("train")
-        for s in sizes:
-            tune_s = args.autotune_seconds
-            # (b) cold: prepare + calibration + one epoch that copies each shard to an empty node-local directory.
-            spec = _spec(manifest, s, str(local), 1, batch)
-            calib_s = _tuned(spec, tune_s, figures, f"cold_{s}px")
-            _, dt, peak = lightray_epochs(spec)
-            figures[f"cold_{s}px_images_per_s"] = round(n // batch * batch / (prepare_s + calib_s + dt), 1)
-            figures[f"cold_{s}px_peak_mb"] = round(max(peak, figures["prepare_peak_mb"]))
-            # (c) the node-local shard cache.
-            spec = _spec(manifest, s, str(local), args.epochs, batch)
-            _tuned(spec, tune_s, figures, f"shard_{s}px")
-            rate, _, peak = lightray_epochs(spec)
-            figures[f"shard_{s}px_images_per_s"] = round(rate, 1)
-            figures[f"shard_{s}px_peak_mb"] = round(peak)
-            figures[f"shard_{s}px_one_process_images_per_s"] = round(lightray_one_process(spec), 1)
-            # (d) the object-store level.
-            spec = _spec(manifest, s, str(local), args.epochs, batch)
-            t0 = time.perf_counter()
-            spec.phases[0].shards.refs = shard_cache.materialize(spec.phases[0].shards.uris,
-                                                                 spec.phases[0].shards.sha256,
-                                                                 spec.phases[0].shards.fmt, str(local), 1.0)
-            figures[f"object_{s}px_materialize_s"] = round(time.perf_counter() - t0, 2)
-            _tuned(spec, tune_s, figures, f"object_{s}px")
-            rate, _, peak = lightray_epochs(spec)
-            figures[f"object_{s}px_images_per_s"] = round(rate, 1)
-            figures[f"object_{s}px_peak_mb"] = round(peak)
-            del spec
-            # (e) device augmentation: a raw tier from the node-local shard cache, the crop left to the device.
-            spec = _spec(raw_manifest, s, str(local), args.epochs, batch)
-            plan_augmentation(spec, "device", torch.cuda.is_available())
-            _tuned(spec, tune_s, figures, f"device_{s}px")
-            rate, _, peak = lightray_epochs(spec, cuda_copy())
-            figures[f"device_{s}px_images_per_s"] = round(rate, 1)
-            figures[f"device_{s}px_peak_mb"] = round(peak)
-            op_rate, figures["device_op_device"] = time_device_op(spec, s)
-            figures[f"device_op_{s}px_images_per_s"] = round(op_rate, 1)
-            ratios[f"device_aug_over_cpu_aug_{s}px"] = round(rate / max(1e-9, figures[f"shard_{s}px_images_per_s"]), 2)
-            del spec
-            # (f) device decode: the JPEG tier's bytes passed through, decoded and cropped by the consumer.
-            spec = _spec(jpeg_manifest, s, str(local), args.epochs, batch)
-            plan_decode(spec, "device", torch.cuda.is_available(), cpus_per_gpu=float(cores))
-            _tuned(spec, tune_s, figures, f"device_decode_{s}px")
-            consume, _ = decode_consumer(s)
-            rate, _, peak = lightray_epochs(spec, consume)
-            figures[f"device_decode_{s}px_images_per_s"] = round(rate, 1)
-            figures[f"device_decode_{s}px_peak_mb"] = round(peak)
-            figures[f"device_decode_op_{s}px_images_per_s"] = round(time_decode_op(spec, s), 1)
-            ratios[f"device_decode_over_cpu_aug_{s}px"] = round(
-                rate / max(1e-9, figures[f"shard_{s}px_images_per_s"]), 2)
-            del spec
-            for b in ("resized", "original"):
-                base = f"dataloader_{b}_{s}px"
-                for v in ("shard", "object"):
-                    ratios[f"{v}_vs_{base}"] = round(
-                        figures[f"{v}_{s}px_images_per_s"] / figures[f"{base}_images_per_s"], 2)
-                ratios[f"cold_vs_dataloader_{b}_cold_{s}px"] = round(
-                    figures[f"cold_{s}px_images_per_s"] / figures[f"{base}_cold_images_per_s"], 2)
-        figures["device_path_device"] = ("cuda: the crop runs on the GPU" if torch.cuda.is_available() else
-                                         "cpu: no GPU here; the device path ran on the CPU device")
-        figures["device_decode_device"] = (
-            "cuda: batched nvJPEG decode + crop on the GPU" if torch.cuda.is_available() else
-            "cpu: no GPU here; decode_jpeg + crop ran on the CPU device in the consumer, on the same cores as the "
-            "Ray Data tasks")
-        per_core(figures, sizes, cores, args.gpu_img_s, args.gpu_img_s_size)
-        gap_breakdown(figures, ratios, sizes, cores)
+        measure(args, work, sizes, cores, batch, figures, ratios)
     finally:
         if ray.is_initialized():
             ray.shutdown()

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -460,7 +461,8 @@ def main_cifar(args: argparse.Namespace, repeats: int) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The bench's command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", type=float, nargs="+", default=None,
                    help="top-1 targets (default: the recipe's report.targets); the highest ends the baselines")
@@ -482,6 +484,132 @@ def main(argv: list[str] | None = None) -> int:
                    help="demo (synthetic shapes) or cifar10 (real photos, the cifar10 recipe)")
     p.add_argument("--data", default=DEFAULT_CIFAR, help="the CIFAR-10 training split as Parquet (--dataset cifar10)")
     p.add_argument("--no-fixed", action="store_true", help="cifar10: skip the fixed-resolution plain loop")
+    return p
+
+
+@dataclasses.dataclass
+class DemoInputs:
+    """What every demo repeat runs on: the data tree, the recipe (as shipped and as the plain same-recipe side
+    takes it), the decoded arrays, the targets and the baselines' threads and loader workers."""
+    overrides: dict[str, Any]
+    tree: str
+    demo_cfg: Any
+    same_cfg: Any
+    arrays: dict[str, Any]
+    targets: list[float]
+    threads: int
+    loader_workers: int
+
+
+@dataclasses.dataclass
+class DemoRuns:
+    """Every side's runs over the repeats, the PyTorch example's LR sweep and chosen LR, and the load average at
+    the start of each repeat."""
+    light: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    same: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    tuned: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    example: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    sweep: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    chosen_lr: float | None = None
+    loads: list[float] = dataclasses.field(default_factory=list)
+
+
+def _main_sides(args: argparse.Namespace, inp: DemoInputs, runs: DemoRuns, rep: int, repeats: int,
+                seed: int) -> None:
+    """One repeat of lightray and the two recipe baselines, in an order that alternates between repeats."""
+    # Alternate the order of the main sides: a load drift then favours each of them as often.
+    sides = ("lightray", "plain_same_recipe", "tuned_plain")
+    for side in (sides if rep % 2 == 0 else sides[::-1]):
+        note(f"repeat {rep + 1}/{repeats}: {side} (seed {seed}, load {load_avg()})")
+        if side == "lightray":
+            runs.light.append(run_lightray(args.storage, inp.overrides, inp.targets, seed))
+        elif side == "plain_same_recipe":
+            runs.same.append(plain_side(inp.same_cfg, inp.arrays, inp.targets, inp.threads, seed, fixed_final=False))
+        else:
+            runs.tuned.append(run_tuned_plain(inp.tree, inp.demo_cfg, targets=inp.targets, threads=inp.threads,
+                                              loader_workers=inp.loader_workers, seed=seed))
+
+
+def _example_side(args: argparse.Namespace, inp: DemoInputs, runs: DemoRuns, rep: int, seed: int) -> None:
+    """One repeat of the PyTorch example: the whole LR sweep the first time (its best run counts and fixes the
+    LR), then one run at the chosen LR."""
+    if runs.chosen_lr is None:
+        for lr in args.example_lr_per_256:
+            note(f"repeat {rep + 1}: PyTorch example, LR sweep {lr:g} per 256 (load {load_avg()})")
+            runs.sweep.append(run_example(inp.tree, inp.demo_cfg, targets=inp.targets, lr_per_256=lr,
+                                          threads=inp.threads, loader_workers=inp.loader_workers, seed=seed,
+                                          epochs=args.example_epochs))
+        best = min(runs.sweep, key=lambda r: _example_rank(r, inp.targets))
+        runs.chosen_lr = best["lr_per_256"]
+        runs.example.append(best)
+    else:
+        note(f"repeat {rep + 1}: PyTorch example at the swept LR {runs.chosen_lr:g} per 256 (load {load_avg()})")
+        runs.example.append(run_example(inp.tree, inp.demo_cfg, targets=inp.targets, lr_per_256=runs.chosen_lr,
+                                        threads=inp.threads, loader_workers=inp.loader_workers, seed=seed,
+                                        epochs=args.example_epochs))
+
+
+def measure(args: argparse.Namespace, inp: DemoInputs, repeats: int) -> DemoRuns:
+    """Every repeat of every demo side (the PyTorch example last in each, unless ``--no-example``)."""
+    runs = DemoRuns()
+    for rep in range(repeats):
+        seed = args.seed + rep
+        runs.loads.append(load_avg())
+        _main_sides(args, inp, runs, rep, repeats, seed)
+        if args.no_example:
+            continue
+        _example_side(args, inp, runs, rep, seed)
+    return runs
+
+
+def _example_figures(runs: DemoRuns, targets: list[float]) -> dict[str, Any]:
+    """The PyTorch example's figures: its runs at the chosen LR and every run of the LR sweep."""
+    return {
+        **summarize_side(runs.example, targets), "lr_per_256": runs.chosen_lr, "batch": EXAMPLE_BATCH,
+        "lr_step_every_epochs": runs.example[0]["lr_step_every_epochs"], "epochs": runs.example[0]["epochs"],
+        "lr_sweep": [{"lr_per_256": r["lr_per_256"], "best_top1": round(r["best_top1"], 4),
+                      "chosen": r["lr_per_256"] == runs.chosen_lr, "top1_per_epoch": r["top1_per_epoch"],
+                      "train_s_to_target": {k: None if v["train_s"] is None else round(v["train_s"], 2)
+                                            for k, v in r["by_target"].items()}} for r in runs.sweep]}
+
+
+def summarise(args: argparse.Namespace, inp: DemoInputs, runs: DemoRuns, repeats: int,
+              demo_s: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The demo bench's (figures, ratios): each side summarised, and baseline over lightray seconds."""
+    targets, demo_cfg = inp.targets, inp.demo_cfg
+    tuned0 = runs.tuned[0]
+    final = demo_cfg.schedule.phases[-1]
+    figures: dict[str, Any] = {
+        "targets": targets, "repeats": repeats, "seeds": [args.seed + r for r in range(repeats)],
+        "model": demo_cfg.model.arch, "demo_tree_s": round(demo_s, 1), "train_images": tuned0["train_images"],
+        "val_images": tuned0["val_images"], "load_1m_at_repeat_start": runs.loads,
+        "recipe": {"epochs": int(demo_cfg.schedule.epochs), "warmup": demo_cfg.schedule.warmup,
+                   "decay": demo_cfg.schedule.decay, "lr_per_256": demo_cfg.optim.lr_per_256,
+                   "momentum": demo_cfg.optim.momentum, "nesterov": demo_cfg.optim.nesterov,
+                   "weight_decay": demo_cfg.optim.weight_decay, "bn_bias_decay": demo_cfg.optim.bn_bias_decay,
+                   "label_smoothing": demo_cfg.optim.label_smoothing, "final_resolution": final.resolution,
+                   "final_batch": final.batch_size, "final_min_scale": final.min_scale},
+        "lightray": {**summarize_side(runs.light, targets), "workers": runs.light[0]["workers"],
+                     "run_dirs": [r["run_dir"] for r in runs.light]},
+        "plain_same_recipe": {**summarize_side(runs.same, targets), "threads": inp.threads, "processes": 1,
+                              "decode_s": round(inp.arrays["decode_s"], 2),
+                              "data": "the tree resized once to each phase's size, decoded uint8 arrays in "
+                                      "memory, batched roi_align crops"},
+        "tuned_plain": {**summarize_side(runs.tuned, targets), "resolution": tuned0["resolution"],
+                        "eval_resolution": tuned0["eval_resolution"], "batch": tuned0["batch"],
+                        "lr_peak": tuned0["lr_peak"], "threads": tuned0["threads"],
+                        "loader_workers": tuned0["loader_workers"], "processes": 1},
+    }
+    ratios = ratios_against(runs.same, runs.light, targets, "vs_plain_same_recipe")
+    ratios.update(ratios_against(runs.tuned, runs.light, targets, "vs_tuned_plain"))
+    if runs.example:
+        figures["pytorch_example"] = _example_figures(runs, targets)
+        ratios.update(ratios_against(runs.example, runs.light, targets, "vs_pytorch_example"))
+    return figures, ratios
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
     if repeats < 1:
@@ -514,76 +642,9 @@ def main(argv: list[str] | None = None) -> int:
          f"recipe in plain PyTorch ({arrays['decode_s']:.1f} s); {repeats} repeat(s); baselines: {threads} torch "
          f"threads, {loader_workers} loader workers")
 
-    light_runs: list[dict[str, Any]] = []
-    same_runs: list[dict[str, Any]] = []
-    tuned_runs: list[dict[str, Any]] = []
-    example_runs: list[dict[str, Any]] = []
-    sweep: list[dict[str, Any]] = []
-    chosen_lr: float | None = None
-    loads: list[float] = []
-    for rep in range(repeats):
-        seed = args.seed + rep
-        loads.append(load_avg())
-        # Alternate the order of the main sides: a load drift then favours each of them as often.
-        sides = ("lightray", "plain_same_recipe", "tuned_plain")
-        for side in (sides if rep % 2 == 0 else sides[::-1]):
-            note(f"repeat {rep + 1}/{repeats}: {side} (seed {seed}, load {load_avg()})")
-            if side == "lightray":
-                light_runs.append(run_lightray(args.storage, overrides, targets, seed))
-            elif side == "plain_same_recipe":
-                same_runs.append(plain_side(same_cfg, arrays, targets, threads, seed, fixed_final=False))
-            else:
-                tuned_runs.append(run_tuned_plain(tree, demo_cfg, targets=targets, threads=threads,
-                                                  loader_workers=loader_workers, seed=seed))
-        if args.no_example:
-            continue
-        if chosen_lr is None:
-            for lr in args.example_lr_per_256:
-                note(f"repeat {rep + 1}: PyTorch example, LR sweep {lr:g} per 256 (load {load_avg()})")
-                sweep.append(run_example(tree, demo_cfg, targets=targets, lr_per_256=lr, threads=threads,
-                                         loader_workers=loader_workers, seed=seed, epochs=args.example_epochs))
-            best = min(sweep, key=lambda r: _example_rank(r, targets))
-            chosen_lr = best["lr_per_256"]
-            example_runs.append(best)
-        else:
-            note(f"repeat {rep + 1}: PyTorch example at the swept LR {chosen_lr:g} per 256 (load {load_avg()})")
-            example_runs.append(run_example(tree, demo_cfg, targets=targets, lr_per_256=chosen_lr, threads=threads,
-                                            loader_workers=loader_workers, seed=seed, epochs=args.example_epochs))
-
-    tuned0 = tuned_runs[0]
-    final = demo_cfg.schedule.phases[-1]
-    figures: dict[str, Any] = {
-        "targets": targets, "repeats": repeats, "seeds": [args.seed + r for r in range(repeats)],
-        "model": demo_cfg.model.arch, "demo_tree_s": round(demo_s, 1), "train_images": tuned0["train_images"],
-        "val_images": tuned0["val_images"], "load_1m_at_repeat_start": loads,
-        "recipe": {"epochs": int(demo_cfg.schedule.epochs), "warmup": demo_cfg.schedule.warmup,
-                   "decay": demo_cfg.schedule.decay, "lr_per_256": demo_cfg.optim.lr_per_256,
-                   "momentum": demo_cfg.optim.momentum, "nesterov": demo_cfg.optim.nesterov,
-                   "weight_decay": demo_cfg.optim.weight_decay, "bn_bias_decay": demo_cfg.optim.bn_bias_decay,
-                   "label_smoothing": demo_cfg.optim.label_smoothing, "final_resolution": final.resolution,
-                   "final_batch": final.batch_size, "final_min_scale": final.min_scale},
-        "lightray": {**summarize_side(light_runs, targets), "workers": light_runs[0]["workers"],
-                     "run_dirs": [r["run_dir"] for r in light_runs]},
-        "plain_same_recipe": {**summarize_side(same_runs, targets), "threads": threads, "processes": 1,
-                              "decode_s": round(arrays["decode_s"], 2),
-                              "data": "the tree resized once to each phase's size, decoded uint8 arrays in "
-                                      "memory, batched roi_align crops"},
-        "tuned_plain": {**summarize_side(tuned_runs, targets), "resolution": tuned0["resolution"],
-                        "eval_resolution": tuned0["eval_resolution"], "batch": tuned0["batch"],
-                        "lr_peak": tuned0["lr_peak"], "threads": tuned0["threads"],
-                        "loader_workers": tuned0["loader_workers"], "processes": 1},
-    }
-    ratios = ratios_against(same_runs, light_runs, targets, "vs_plain_same_recipe")
-    ratios.update(ratios_against(tuned_runs, light_runs, targets, "vs_tuned_plain"))
-    if example_runs:
-        figures["pytorch_example"] = {
-            **summarize_side(example_runs, targets), "lr_per_256": chosen_lr, "batch": EXAMPLE_BATCH,
-            "lr_step_every_epochs": example_runs[0]["lr_step_every_epochs"], "epochs": example_runs[0]["epochs"],
-            "lr_sweep": [{"lr_per_256": r["lr_per_256"], "best_top1": round(r["best_top1"], 4),
-                          "chosen": r["lr_per_256"] == chosen_lr, "top1_per_epoch": r["top1_per_epoch"],
-                          "train_s_to_target": {k: None if v["train_s"] is None else round(v["train_s"], 2)
-                                                for k, v in r["by_target"].items()}} for r in sweep]}
-        ratios.update(ratios_against(example_runs, light_runs, targets, "vs_pytorch_example"))
+    inp = DemoInputs(overrides, tree, demo_cfg, same_cfg, arrays, targets, threads, loader_workers)
+    runs = measure(args, inp, repeats)
+    figures, ratios = summarise(args, inp, runs, repeats, demo_s)
     emit("time_to_accuracy", figures, ratios,
          machine.finish(argv, quick=args.quick, repeats=repeats, plain_threads=threads,
                         plain_loader_workers=loader_workers))
