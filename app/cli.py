@@ -10,6 +10,7 @@ import logging
 import sys
 from typing import Any
 
+from lightray.api import SHORTHANDS
 from lightray.config import Config, ConfigError, load_config
 
 COMMANDS = ("train", "tune", "prepare", "eval", "predict", "report")
@@ -117,9 +118,7 @@ def parse_overrides(rest: list[str]) -> dict[str, Any]:
 
 def config_from_args(args: argparse.Namespace, rest: list[str]) -> Config:
     overrides = parse_overrides(rest)
-    flags = {"data": "data.source", "storage": "storage", "name": "name", "workers": "scaling.workers",
-             "gpu": "scaling.use_gpu", "mlflow": "report.mlflow"}
-    for flag, key in flags.items():
+    for flag, key in {"storage": "storage", "name": "name", **SHORTHANDS}.items():
         if getattr(args, flag, None):
             overrides[key] = getattr(args, flag)
     if args.verbose:
@@ -207,14 +206,11 @@ def run_command(command: str, cfg: Config, args: argparse.Namespace) -> int:
         connect_ray(cfg, args.verbose)
         print(prepare_main(cfg))  # the manifest folder: a local path or the cache URI
         return 0
-    from lightray.driver.runner import resolve_run, run_training
+    from lightray.api import resolve
+    from lightray.driver.runner import run_training
     from lightray.report.progress import print_summary_table
 
-    resolve_run(cfg, args.resume)
-    if cfg.model.pretrained:  # a missing weights file is a usage error here, not a crash in every worker
-        from lightray.train.finetune import resolve_pretrained
-
-        resolve_pretrained(cfg.model.pretrained)
+    resolve(cfg, args.resume)
     import yaml
 
     print("resolved config:\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False), flush=True)

@@ -13,6 +13,7 @@ import torch
 from lightray.config import ConfigError, ModelConfig, load_config
 from lightray.train import device as dev
 from lightray.train.model import build_model, check_arch, to_device
+from lightray.units import pop_unit_events
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -48,9 +49,9 @@ def test_timm_resnet_zero_init_follows_the_config(zero):
 
 
 def test_a_model_without_residual_bn_says_zero_init_does_not_apply():
-    dev.pop_unit_events()
+    pop_unit_events()
     model = build_model(ModelConfig(arch="timm:mobilenetv3_small_050", zero_init_residual=True), 5)
-    events = {e["unit"]: e for e in dev.pop_unit_events()}
+    events = {e["unit"]: e for e in pop_unit_events()}
     assert "not applicable to timm:mobilenetv3_small_050" in events["zero_init_residual"]["message"]
     model = to_device(model, torch.device("cpu"), ModelConfig(channels_last=True)).eval()
     x = dev.images_to_device(torch.zeros(2, 40, 40, 3, dtype=torch.uint8), torch.device("cpu"), True)

@@ -17,11 +17,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightray.comm import auto as comm_auto
-from lightray.comm.hook import AUTO_MEASURE_STEPS, CommHook, allgather_bytes, ring_allreduce_bytes
+from lightray.comm.hook import AUTO_MEASURE_STEPS, CommHook
 from lightray.comm.topology import Topology, build_groups
+from lightray.comm.wire import allgather_bytes, ring_allreduce_bytes
 from lightray.config import CommConfig, ConfigError, load_config
-from lightray.train.device import pop_unit_events
 from lightray.train.state import load_rank_state, save_rank_state
+from lightray.units import pop_unit_events
 
 WORLD = 4
 PER_NODE = 2

@@ -18,8 +18,9 @@ import torch.multiprocessing as mp
 
 from lightray.comm import compress
 from lightray.comm.dgc import warmup_ratio
-from lightray.comm.hook import CommHook, allgather_bytes
+from lightray.comm.hook import CommHook
 from lightray.comm.topology import Topology
+from lightray.comm.wire import allgather_bytes
 from lightray.config import CommConfig
 
 WORLD = 4

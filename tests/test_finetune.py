@@ -22,6 +22,7 @@ from lightray.train import device as dev
 from lightray.train.export import describe, write_weights
 from lightray.train.finetune import HeadWarmup
 from lightray.train.model import build_model
+from lightray.units import pop_unit_events
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -55,10 +56,10 @@ def test_pretrained_weights_load_and_the_head_is_replaced_for_the_class_count(ki
         cfg = load_config("smoke")
         write_weights(str(where), "best", source.state_dict(), describe(cfg, [f"c{i}" for i in range(10)], 48),
                       {"val_top1": 0.5})
-    dev.pop_unit_events()
+    pop_unit_events()
     model = build_model(ModelConfig(arch="resnet_tiny", pretrained=str(where)), 4)
     _assert_backbone_copied_head_fresh(model, source)
-    event = {e["unit"]: e for e in dev.pop_unit_events()}["pretrained"]
+    event = {e["unit"]: e for e in pop_unit_events()}["pretrained"]
     assert event["reinitialised"] == 2 and "fc.weight (10, 128)->(4, 128)" in event["message"]
 
 

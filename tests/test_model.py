@@ -22,6 +22,7 @@ from lightray.train import device as dev
 from lightray.train.ema import ModelEMA
 from lightray.train.model import build_model, residual_last_bns, to_device, unwrap_model
 from lightray.train.optim import build_loss, build_optimizer, set_lr_momentum
+from lightray.units import pop_unit_events
 
 CPU = torch.device("cpu")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -93,7 +94,7 @@ def test_images_to_device_normalizes_and_lays_out():
 
 # --- device units on CPU -------------------------------------------------------------------------------------
 def test_cpu_device_units_fall_back_to_plain_and_say_so():
-    dev.pop_unit_events()
+    pop_unit_events()
     device = dev.select_device()
     assert device == CPU and dev.backend_for(device) == "gloo"
     assert dev.backend_for(torch.device("cuda", 0)) == "nccl"
@@ -108,7 +109,7 @@ def test_cpu_device_units_fall_back_to_plain_and_say_so():
     forced = dev.maybe_compile(model, ModelConfig(compile=True, compile_on_cpu=True), device)
     assert isinstance(forced, dev.CompiledForward) and dev.unwrap_model(forced) is model
     said: dict[str, list[str]] = {}
-    for e in dev.pop_unit_events():
+    for e in pop_unit_events():
         said.setdefault(e["unit"], []).append(e["message"])
     assert {"device", "precision", "grad_scaler", "cudnn_benchmark", "compile"} <= set(said)
     assert "not applicable on cpu" in said["compile"][0]

@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightray.config import ModelConfig, OptimConfig
-from lightray.train.device import pop_unit_events
 from lightray.train.ema import ModelEMA, maybe_ema
 from lightray.train.model import build_model
 from lightray.train.optim import (
@@ -18,6 +17,7 @@ from lightray.train.optim import (
     param_groups,
     set_lr_momentum,
 )
+from lightray.units import pop_unit_events
 
 CPU = torch.device("cpu")
 

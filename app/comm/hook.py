@@ -111,7 +111,7 @@ from lightray.comm import powersgd
 from lightray.comm.compress import HIGH, LOW, SelectionStats, k_for, pack, quantize, scatter_sum, select
 from lightray.comm.dgc import accumulate_velocity, clip_factor, warmup_ratio
 from lightray.comm.topology import Topology, build_groups
-from lightray.comm.wire import allgather_bytes, done, ring_allreduce_bytes  # noqa: F401  (re-exported)
+from lightray.comm.wire import allgather_bytes, done, ring_allreduce_bytes
 from lightray.config import CommConfig
 from lightray.units import unit_log
 

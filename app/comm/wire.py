@@ -17,6 +17,7 @@ def allgather_bytes(payload: int, world: int) -> int:
 
 
 def done(t: torch.Tensor) -> torch.futures.Future:
+    """A future that already holds ``t``."""
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(t)
     return fut

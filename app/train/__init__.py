@@ -14,12 +14,11 @@ from typing import Any
 
 
 class _CallablePackage(types.ModuleType):
-    def __call__(self, config: str = "demo", *, resume: bool = False, verbose: bool = False,
-                 **overrides: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """``lightray.train(config, **overrides) -> Result``: see ``lightray.api.train``."""
         from lightray.api import train
 
-        return train(config, resume=resume, verbose=verbose, **overrides)
+        return train(*args, **kwargs)
 
 
 sys.modules[__name__].__class__ = _CallablePackage

@@ -3,7 +3,7 @@
 Every unit here is one function that decides from the config and the device, does its thing, and says
 what it did in one line through :func:`unit_log` (also when it was off or not applicable on this
 device), so a run's log shows which speed-ups were really active. The worker loop drains those lines
-with :func:`pop_unit_events` and writes them to ``metrics.jsonl`` as ``{"event": "unit", ...}``.
+with ``lightray.units.pop_unit_events`` and writes them to ``metrics.jsonl`` as ``{"event": "unit", ...}``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightray.config import ConfigError, ModelConfig
-from lightray.units import pop_unit_events, unit_log  # noqa: F401  (re-exported)
+from lightray.units import unit_log
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

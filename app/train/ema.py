@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from lightray.config import OptimConfig
-from lightray.train.device import unit_log, unwrap_model
+from lightray.train.device import unwrap_model
+from lightray.units import unit_log
 
 
 class ModelEMA:

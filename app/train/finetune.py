@@ -132,7 +132,7 @@ def load_pretrained(model: nn.Module, spec: str, arch: str = "") -> dict[str, An
                           f"{arch or type(model).__name__}; are these weights for another architecture?")
     model.load_state_dict(new, strict=False)
     head = ", ".join(reshaped) if reshaped else "none"
-    from lightray.train.device import unit_log
+    from lightray.units import unit_log
 
     unit_log("pretrained", f"loaded {len(loaded)}/{len(own)} tensors from {where}; left at their fresh init "
                            f"(shape differs, e.g. a head for another class count): {head}",
@@ -162,7 +162,7 @@ class HeadWarmup:
         self.backbone = [p for p in model.parameters() if id(p) not in head]
         self.active = epochs > 0 and bool(head)
         self.done = False
-        from lightray.train.device import unit_log
+        from lightray.units import unit_log
 
         if epochs <= 0:
             unit_log("head_warmup", "off (model.head_warmup_epochs=0): every layer trains from the start",

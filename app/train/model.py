@@ -16,7 +16,8 @@ from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from lightray.comm.global_bn import to_global_bn
 from lightray.config import TIMM_PREFIX, ModelConfig, check_arch
-from lightray.train.device import unit_log, unwrap_model  # noqa: F401  (re-exported)
+from lightray.train.device import unwrap_model  # noqa: F401  (re-exported)
+from lightray.units import unit_log
 
 
 class TinyResNet(nn.Module):

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from lightray.config import OptimConfig
-from lightray.train.device import unit_log
+from lightray.units import unit_log
 
 # Parameters of these modules never get weight decay (they set scale and shift, not features).
 _NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.modules.instancenorm._InstanceNorm)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lightray import storage
+from lightray import storage, units
 from lightray.comm.fusion import choose_bucket_mb
 from lightray.comm.hook import CommHook
 from lightray.comm.topology import Topology
@@ -495,9 +495,9 @@ class Trainer:
                                   [ph.index for ph in self.spec.phases if ph.device_augment])
         decoded_here = [ph.index for ph in self.spec.phases if ph.device_decode]
         if decoded_here:
-            dev.unit_log("decode_on", device_decode.describe(self.device, decoded_here), on="device",
+            units.unit_log("decode_on", device_decode.describe(self.device, decoded_here), on="device",
                          device=self.device.type, phases=decoded_here)
-        events = dev.pop_unit_events() + [
+        events = units.pop_unit_events() + [
             {"unit": "device_prefetch", "message": DevicePrefetcher.describe(self.device,
                                                                              self.cfg.scaling.device_prefetch),
              "enabled": self.cfg.scaling.device_prefetch, "device": self.device.type},
