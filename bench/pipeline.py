@@ -53,7 +53,10 @@ Where the gap to the pre-resized DataLoader comes from: ``*_one_process_images_p
 per image on one core, in-process, without any inter-process machinery, and ``*_pipeline_efficiency`` is
 what the whole pipeline delivers over cores x that figure; ``ratios.work_per_image_shard_vs_dataloader_
 resized_<size>px`` times ``ratios.pipeline_efficiency_shard_vs_dataloader_resized_<size>px`` is the delivered
-ratio. Peak memory = the largest sum of the
+ratio. Ray Data's own account of each lightray variant's map operator is in ``*_ray_data`` (tasks, rows per task,
+the tasks' mean wall time, how many ran at once on average, their CPU milliseconds per image): fewer tasks in
+flight than the autotune chose is time Ray Data's scheduling loop left the cores idle between tasks.
+Peak memory = the largest sum of the
 proportional set size (PSS) of this process and all its descendants (DataLoader workers; Ray's raylet,
 GCS and workers, object store pages included) seen while that variant ran.
 
@@ -301,9 +304,10 @@ def _tuned(spec, seconds: float, figures: dict, key: str) -> float:
     return dt
 
 
-def lightray_epochs(spec, to_device=None) -> tuple[float, float, float]:
-    """(images/s, seconds, peak MB) over every epoch of the spec's single phase, as a worker consumes it;
-    ``to_device(batch)`` is the consumer's copy (pinned, non-blocking), when there is a GPU to copy to."""
+def lightray_epochs(spec, to_device=None) -> tuple[float, float, float, dict]:
+    """(images/s, seconds, peak MB, Ray Data's stats of the map operator) over every epoch of the spec's single
+    phase, as a worker consumes it; ``to_device(batch)`` is the consumer's copy (pinned, non-blocking), when there
+    is a GPU to copy to."""
     from lightray.data.ingest import PlanDataConfig, make_blocks_dataset, phase_blocks
 
     n = 0
@@ -316,7 +320,24 @@ def lightray_epochs(spec, to_device=None) -> tuple[float, float, float]:
                 to_device(batch)
             n += len(batch["label"])
         dt = time.perf_counter() - t0
-    return n / dt, dt, mem.peak
+    return n / dt, dt, mem.peak, map_operator_stats(it, n)
+
+
+def map_operator_stats(it, images: int) -> dict:
+    """Where Ray Data's map operator spent the run (its stats summary): tasks, rows per task, the tasks' mean
+    wall time, how many ran at once on average (their summed wall time over the operator's) and their CPU time
+    per image, which the one-process figure gives without Ray around it. Empty where this Ray has no summary."""
+    dataset = getattr(it, "_base_dataset", None)  # DataIteratorImpl's dataset: the summary's only way in
+    if dataset is None or not hasattr(dataset, "get_stats_summary"):
+        return {}
+    ops = [o for o in dataset.get_stats_summary().operators_stats if o.operator_name.startswith("MapBatches")]
+    if not ops or ops[0].wall_time is None or ops[0].cpu_time is None:
+        return {}
+    op = ops[0]
+    return {"tasks": op.wall_time.count, "rows_per_task": round(images / max(1, op.wall_time.count), 1),
+            "task_wall_s_mean": round(op.wall_time.mean, 3),
+            "tasks_in_flight_mean": round(op.wall_time.sum / max(1e-9, op.time_total_s), 2),
+            "task_cpu_ms_per_image": round(1000 * op.cpu_time.sum / max(1, images), 3)}
 
 
 def cuda_copy():
@@ -483,14 +504,15 @@ def _cold_and_shard(manifest: Manifest, s: int, local: str, epochs: int, batch: 
     # (b) cold: prepare + calibration + one epoch that copies each shard to an empty node-local directory.
     spec = _spec(manifest, s, local, 1, batch)
     calib_s = _tuned(spec, tune_s, figures, f"cold_{s}px")
-    _, dt, peak = lightray_epochs(spec)
+    _, dt, peak, _stats = lightray_epochs(spec)
     figures[f"cold_{s}px_images_per_s"] = round(n // batch * batch / (prepare_s + calib_s + dt), 1)
     figures[f"cold_{s}px_peak_mb"] = round(max(peak, figures["prepare_peak_mb"]))
     # (c) the node-local shard cache.
     spec = _spec(manifest, s, local, epochs, batch)
     _tuned(spec, tune_s, figures, f"shard_{s}px")
-    rate, _, peak = lightray_epochs(spec)
+    rate, _, peak, stats = lightray_epochs(spec)
     figures[f"shard_{s}px_images_per_s"] = round(rate, 1)
+    figures[f"shard_{s}px_ray_data"] = stats
     figures[f"shard_{s}px_peak_mb"] = round(peak)
     figures[f"shard_{s}px_one_process_images_per_s"] = round(lightray_one_process(spec), 1)
 
@@ -507,8 +529,9 @@ def _object_level(manifest: Manifest, s: int, local: str, epochs: int, batch: in
                                                          spec.phases[0].shards.fmt, local, 1.0)
     figures[f"object_{s}px_materialize_s"] = round(time.perf_counter() - t0, 2)
     _tuned(spec, tune_s, figures, f"object_{s}px")
-    rate, _, peak = lightray_epochs(spec)
+    rate, _, peak, stats = lightray_epochs(spec)
     figures[f"object_{s}px_images_per_s"] = round(rate, 1)
+    figures[f"object_{s}px_ray_data"] = stats
     figures[f"object_{s}px_peak_mb"] = round(peak)
 
 
@@ -523,8 +546,9 @@ def _device_aug(raw_manifest: Manifest, s: int, local: str, epochs: int, batch: 
     spec = _spec(raw_manifest, s, local, epochs, batch)
     plan_augmentation(spec, "device", torch.cuda.is_available())
     _tuned(spec, tune_s, figures, f"device_{s}px")
-    rate, _, peak = lightray_epochs(spec, cuda_copy())
+    rate, _, peak, stats = lightray_epochs(spec, cuda_copy())
     figures[f"device_{s}px_images_per_s"] = round(rate, 1)
+    figures[f"device_{s}px_ray_data"] = stats
     figures[f"device_{s}px_peak_mb"] = round(peak)
     op_rate, figures["device_op_device"] = time_device_op(spec, s)
     figures[f"device_op_{s}px_images_per_s"] = round(op_rate, 1)
@@ -543,8 +567,9 @@ def _device_decode(jpeg_manifest: Manifest, s: int, local: str, epochs: int, bat
     plan_decode(spec, "device", torch.cuda.is_available(), cpus_per_gpu=float(cores))
     _tuned(spec, tune_s, figures, f"device_decode_{s}px")
     consume, _ = decode_consumer(s)
-    rate, _, peak = lightray_epochs(spec, consume)
+    rate, _, peak, stats = lightray_epochs(spec, consume)
     figures[f"device_decode_{s}px_images_per_s"] = round(rate, 1)
+    figures[f"device_decode_{s}px_ray_data"] = stats
     figures[f"device_decode_{s}px_peak_mb"] = round(peak)
     figures[f"device_decode_op_{s}px_images_per_s"] = round(time_decode_op(spec, s), 1)
     ratios[f"device_decode_over_cpu_aug_{s}px"] = round(

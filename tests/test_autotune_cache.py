@@ -45,7 +45,7 @@ def test_calibration_cache_misses_for_other_data_or_another_machine(tmp_path, ra
     spec = _spec(tmp_path)
     key = autotune_cache.key_for(spec, 0, 2.0, 1.0, None)
     assert autotune_cache.load(spec.local_dir, key) is None
-    autotune_cache.save(spec.local_dir, key, {"concurrency": 2, "cpus": 1.0, "block_rows": 64, "curve": [],
+    autotune_cache.save(spec.local_dir, key, {"concurrency": 2, "cpus": 1.0, "rows_per_task": 64, "curve": [],
                                               "reason": "r"})
     assert autotune_cache.load(spec.local_dir, key)["concurrency"] == 2
     assert key["machine"]["cluster_cpus"] == ray.cluster_resources()["CPU"]
@@ -74,3 +74,12 @@ def test_calibration_runs_from_inside_a_small_placement_group_like_a_search_tria
     finally:
         remove_placement_group(pg)
     assert rate > 0
+
+
+def test_a_calibrated_plan_block_holds_one_tasks_rows_for_every_rank(tmp_path, ray_local):
+    one = autotune.apply(_spec(tmp_path), seconds=1.0, train_cpus=1.0)
+    spec = _spec(tmp_path)
+    four = autotune.apply(spec, seconds=1.0, train_cpus=1.0, ranks=4)  # the same calibration, cached
+    assert "cached from a calibration" in four.reason
+    assert spec.block_rows == four.block_rows == 4 * one.block_rows
+    assert "x 4 ranks" in spec.events[-1]["message"]

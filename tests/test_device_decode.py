@@ -64,7 +64,7 @@ def test_device_decode_matches_the_cpu_path_on_prepared_jpeg_shards(jpeg_manifes
     # The boxes and flips are the draws of (seed, epoch, sample id), in stored-image pixels.
     for i, (sid, epoch) in enumerate(zip(got["sample_id"].tolist(), got["epoch"].tolist())):
         w, h = Image.open(io.BytesIO(got["jpeg"][i])).size
-        box, flip = augment.draw_crop(augment.sample_rng(spec.seed, epoch, sid), w, h, ph.min_scale)
+        box, flip = augment.draw_crop(spec.seed, epoch, sid, w, h, ph.min_scale)
         assert np.allclose(got["box"][i], box, atol=1e-3) and bool(got["flip"][i]) == flip
     assert 0 < got["flip"].sum() < len(got["flip"])  # both flip values were exercised
 

@@ -233,6 +233,17 @@ def test_autotune_picks_the_smallest_concurrency_near_the_best_rate(manifest, tm
     assert 64 <= choice.block_rows <= 4096 and choice.block_rows & (choice.block_rows - 1) == 0
 
 
+def test_rows_per_task_aim_at_seconds_of_work_within_the_output_cap():
+    # Ray Data sees a task end about 0.2 s late: a task holds about TASK_SECONDS of work
+    assert autotune.rows_per_task(autotune.TASK_SECONDS / 500) == 512
+    assert autotune.rows_per_task(0.004) == 512 and autotune.rows_per_task(0.002) == 1024
+    # device canvases of 176 x 176: 4,096 rows would be 380 MB out; capped under Ray Data's 128 MiB block size
+    rows = autotune.rows_per_task(0.0001, 176 * 176 * 3)
+    assert rows == 1024 and rows * 176 * 176 * 3 <= autotune.MAX_TASK_BYTES
+    assert autotune.rows_per_task(10.0) == autotune.MIN_TASK_ROWS  # slow images: never below the floor
+    assert autotune.rows_per_task(1e-7) == autotune.MAX_TASK_ROWS
+
+
 def test_autotune_applies_pinned_values_and_logs_its_choice(manifest, tmp_path, cluster):
     spec = make_spec(manifest, str(tmp_path / "local"))
     choice = autotune.apply(spec, concurrency=3, cpus=0.5, block_rows=96, seconds=4.0, train_cpus=1.0)

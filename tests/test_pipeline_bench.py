@@ -63,6 +63,11 @@ def check_pipeline(res: dict) -> None:
     for v in ("cold", "shard", "object", "device", "device_decode"):
         tuned = fig[f"{v}_32px_autotune"]
         assert tuned["block_rows"] > 0 and tuned["cpus"] > 0 and tuned["seconds"] >= 0
+    # Ray Data's own account of each lightray variant's map operator: tasks, how many ran at once, CPU per image.
+    for v in ("shard", "object", "device", "device_decode"):
+        rd = fig[f"{v}_32px_ray_data"]
+        assert rd["tasks"] >= 1 and rd["rows_per_task"] > 0 and rd["task_wall_s_mean"] > 0
+        assert 0 < rd["tasks_in_flight_mean"] <= 2 * cores + 0.5 and rd["task_cpu_ms_per_image"] > 0
     # The gap breakdown: per-image work on one core for both sides, and what each pipeline makes of its cores;
     # the two ratios multiply to the delivered one.
     for side in ("shard", "dataloader_resized"):

@@ -28,14 +28,22 @@ import numpy as np
 import psutil
 import ray
 
-from lightray.data import augment, autotune_cache
+from lightray.data import augment, autotune_cache, task_batches
 from lightray.data.plan import EpochPlan
-from lightray.data.spec import BLOCK_ROWS, MAP_CPUS, IngestSpec
+from lightray.data.spec import BLOCK_ROWS, MAP_CPUS, IngestSpec, PhaseSpec
 from lightray.data.timing import images_per_s
 
 log = logging.getLogger(__name__)
 MIN_CALIBRATION_SAMPLES = 2048  # below this a run is over before a calibration pays for itself
-TASK_SECONDS = 0.5  # target work per map task
+# Rows per map task. Ray Data's scheduling loop polls its running tasks with a 0.1 s timeout (Ray 2.60) and a map
+# task's end takes about two polls to be seen (its output, then its end of stream), so a slot stays idle for about
+# 0.2 s after each task. Measured on the 2-core development machine: Ray Data map tasks of 0.3 s of sleep at 2 in
+# flight kept 1.2 in flight on average, and its stats put 0.19 s of scheduling time on each; lightray's 224 px
+# map delivered 534 img/s at 128 rows per task (0.3 s), 705 img/s at 512 (1.2 s). Two seconds of work per task
+# keep that loss near a tenth. The calibration times plain Ray tasks, which do not see it.
+TASK_SECONDS = 2.0
+MAX_TASK_BYTES = 128 * 2**20  # Ray Data's target_max_block_size: a task's output past it is split into more blocks
+MIN_TASK_ROWS, MAX_TASK_ROWS = 64, 4096
 CALIBRATION_ROWS = 64  # rows per calibration task: short tasks give the measurement fine granularity
 KEEP_FRACTION = 0.9  # the smallest concurrency reaching this share of the best rate wins
 
@@ -56,29 +64,15 @@ def data_cpus(train_cpus: float) -> float:
 
 
 def _calibration_task(spec: IngestSpec, phase: int, start: int, rows: int) -> int:
-    """The map work for ``rows`` plan positions of epoch 0: what one ingest task does per image."""
+    """The map work for ``rows`` plan positions of epoch 0: what one ingest task does per image
+    (:func:`lightray.data.task_batches.positions_batch`, whichever path the phase takes)."""
     ph = spec.phases[phase]
     plan = EpochPlan(ph.shards.rows, spec.seed)
     order = plan.order(0)
     glob = order[start:start + rows] if start + rows <= len(order) else np.resize(order, rows)
     shard_idx, r = plan.to_shard_row(glob)
-    n = 0
-    if ph.device_decode:  # the device-decode path's task work: pass the bytes through, draw the crop
-        for _data, h, w, _label, sid in ph.shards.encoded(spec.local_dir, shard_idx, r, spec.local_max_bytes):
-            augment.draw_crop(augment.sample_rng(spec.seed, 0, sid), w, h, ph.min_scale)
-            n += 1
-        return n
-    if ph.device_augment:  # the device path's task work, as the ingest's map does it: draw the crops, copy
-        # every window onto the block's canvases
-        found = list(ph.shards.arrays(spec.local_dir, shard_idx, r, spec.local_max_bytes))
-        pixels = [px for px, _label, _sid in found]
-        ids = np.asarray([sid for _px, _label, sid in found], np.int64)
-        augment.device_windows(pixels, spec.seed, np.zeros(len(ids), np.int64), ids, ph.min_scale, ph.canvas)
-        return len(pixels)
-    for img, _label, sid in ph.shards.images(spec.local_dir, shard_idx, r, spec.local_max_bytes):
-        augment.train_crop(img, ph.resolution, ph.min_scale, augment.sample_rng(spec.seed, 0, sid))
-        n += 1
-    return n
+    batch = task_batches.positions_batch(spec, phase, np.zeros(len(r), np.int64), shard_idx, r)
+    return len(batch["label"])
 
 
 def measure(spec: IngestSpec, phase: int, concurrency: int, cpus: float, seconds: float,
@@ -126,16 +120,34 @@ def calibrate(spec: IngestSpec, phase: int, avail_cpus: float, seconds: float,
     c = int(chosen["concurrency"])
     # Per-image seconds of one task: c tasks delivered ``rate`` images/s together.
     per_image = c / max(1e-9, chosen["images_per_s"])
-    block_rows = int(2 ** round(math.log2(max(1.0, TASK_SECONDS / per_image))))
-    block_rows = min(4096, max(64, block_rows))
-    return Choice(c, round(min(1.0, avail_cpus / c), 3), block_rows, curve,
-                  f"smallest concurrency within {KEEP_FRACTION:.0%} of the best {best:.0f} images/s")
+    return Choice(c, round(min(1.0, avail_cpus / c), 3), rows_per_task(per_image, output_bytes(spec.phases[phase])),
+                  curve, f"smallest concurrency within {KEEP_FRACTION:.0%} of the best {best:.0f} images/s")
+
+
+def output_bytes(ph: PhaseSpec) -> int:
+    """Bytes of one image a map task outputs on the phase's path (0 where it is a JPEG passed through)."""
+    if ph.device_augment:
+        return ph.canvas[0] * ph.canvas[1] * 3
+    if ph.device_decode:
+        return 0
+    return ph.resolution * ph.resolution * 3
+
+
+def rows_per_task(per_image_s: float, image_bytes: int = 0) -> int:
+    """Rows one map task takes: about :data:`TASK_SECONDS` of work, at most :data:`MAX_TASK_BYTES` of output, a
+    power of two within [MIN_TASK_ROWS, MAX_TASK_ROWS]."""
+    rows = 2 ** round(math.log2(max(1.0, TASK_SECONDS / max(1e-9, per_image_s))))
+    if image_bytes > 0:
+        rows = min(rows, 2 ** math.floor(math.log2(max(1, MAX_TASK_BYTES // image_bytes))))
+    return int(min(MAX_TASK_ROWS, max(MIN_TASK_ROWS, rows)))
 
 
 def apply(spec: IngestSpec, *, concurrency: int = 0, cpus: float = 0.0, block_rows: int = 0, seconds: float = 4.0,
-          train_cpus: float = 0.0, before_measure: Callable[[], Any] | None = None) -> Choice:
+          train_cpus: float = 0.0, before_measure: Callable[[], Any] | None = None, ranks: int = 1) -> Choice:
     """Set ``spec.map_concurrency``, ``spec.map_cpus`` and ``spec.block_rows``: pinned values (non-zero) as
     given, the rest calibrated (or defaults when the calibration is off or the data too small to time).
+    A plan block's rows are global: each of the ``ranks`` Train workers maps its share in its own task, so a
+    calibrated block holds ``ranks`` times the rows one task should take.
     ``before_measure`` is called before a real measurement (not for a cached or skipped one)."""
     avail = data_cpus(train_cpus)
     phase = max(range(len(spec.phases)), key=lambda i: spec.phases[i].resolution)
@@ -152,7 +164,7 @@ def apply(spec: IngestSpec, *, concurrency: int = 0, cpus: float = 0.0, block_ro
         key = autotune_cache.key_for(spec, phase, avail, seconds, concurrency or None)
         cached = autotune_cache.load(spec.local_dir, key)
         if cached is not None:
-            choice = Choice(cached["concurrency"], cached["cpus"], cached["block_rows"], cached["curve"],
+            choice = Choice(cached["concurrency"], cached["cpus"], cached["rows_per_task"], cached["curve"],
                             f"{cached['reason']}; cached from a calibration of the same data on this machine "
                             f"at {time.strftime('%Y-%m-%d %H:%M', time.localtime(cached['measured_at']))}")
         else:
@@ -160,17 +172,20 @@ def apply(spec: IngestSpec, *, concurrency: int = 0, cpus: float = 0.0, block_ro
                 before_measure()
             choice = calibrate(spec, phase, avail, seconds, concurrency or None)
             autotune_cache.save(spec.local_dir, key, {"concurrency": choice.concurrency, "cpus": choice.cpus,
-                                                      "block_rows": choice.block_rows, "curve": choice.curve,
+                                                      "rows_per_task": choice.block_rows, "curve": choice.curve,
                                                       "reason": choice.reason})
         choice.concurrency = concurrency or choice.concurrency
         choice.cpus = cpus or choice.cpus
-        choice.block_rows = block_rows or choice.block_rows
-        choice.reason += f"; calibration took {time.perf_counter() - t0:.1f} s"
+        per_task = choice.block_rows
+        choice.block_rows = block_rows or per_task * max(1, ranks)
+        choice.reason += (f"; {per_task} rows per task (about {TASK_SECONDS:g} s of work, at most "
+                          f"{MAX_TASK_BYTES // 2**20} MiB out) x {max(1, ranks)} ranks; calibration took "
+                          f"{time.perf_counter() - t0:.1f} s")
     spec.map_concurrency, spec.map_cpus, spec.block_rows = choice.concurrency, choice.cpus, choice.block_rows
     curve = ", ".join(f"{p['concurrency']}: {p['images_per_s']:.0f}" for p in choice.curve)
     spec.event("preprocess_autotune",
                f"preprocessing: {choice.concurrency or 'Ray Data default'} tasks in flight x {choice.cpus:g} CPU, "
-               f"{choice.block_rows} rows per task ({choice.reason})"
+               f"{choice.block_rows} rows per plan block ({choice.reason})"
                + (f"; measured on phase {phase} ({ph.resolution}px, {ph.shards.level}) images/s by tasks in "
                   f"flight {{{curve}}} with {avail:g} CPUs for data" if choice.curve else ""),
                concurrency=choice.concurrency, cpus=choice.cpus, block_rows=choice.block_rows, curve=choice.curve)
@@ -307,10 +322,14 @@ def cpu_decode_rate(sample: list[tuple[bytes, int, int, int]], resolution: int, 
                     seconds: float = 1.0) -> float:
     """Images/s of the CPU path's per-image work (PIL decode, random-resized-crop, flip) in this one process:
     the rate one core gives when every Data task has one."""
+    ids = np.array([sid for _data, _h, _w, sid in sample], np.int64)
+    heights = np.array([h for _data, h, _w, _sid in sample], np.int64)
+    widths = np.array([w for _data, _h, w, _sid in sample], np.int64)
+
     def once() -> None:
-        for data, h, w, sid in sample:
-            img = augment.decode(data, "jpeg", h, w)
-            augment.train_crop(img, resolution, min_scale, augment.sample_rng(seed, 0, sid))
+        boxes, flips = augment.draw_crops(seed, np.zeros(len(ids), np.int64), ids, heights, widths, min_scale)
+        for i, (data, h, w, _sid) in enumerate(sample):
+            augment.train_crop(augment.decode(data, "jpeg", h, w), resolution, boxes[i], bool(flips[i]))
 
     return images_per_s(once, len(sample), seconds)
 

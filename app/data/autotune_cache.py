@@ -17,7 +17,7 @@ import socket
 import time
 from typing import Any
 
-VERSION = 1  # bump when the calibration's method changes: old answers no longer apply
+VERSION = 2  # bump when the calibration's method changes: old answers no longer apply
 
 
 def machine_fingerprint() -> dict[str, Any]:
@@ -50,7 +50,7 @@ def path_for(local_dir: str, key: dict) -> str:
 
 
 def load(local_dir: str, key: dict) -> dict | None:
-    """The stored result for ``key`` ({concurrency, cpus, block_rows, curve, reason, measured_at}), or None."""
+    """The stored result for ``key`` ({concurrency, cpus, rows_per_task, curve, reason, measured_at}), or None."""
     try:
         with open(path_for(local_dir, key)) as f:
             rec = json.load(f)

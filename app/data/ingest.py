@@ -32,7 +32,7 @@ import ray
 import ray.data
 import ray.train
 
-from lightray.data import augment, autotune, shard_cache
+from lightray.data import augment, autotune, shard_cache, task_batches
 from lightray.data.plan import EpochPlan, rank_slice
 from lightray.data.spec import BLOCK_ROWS, IngestSpec, TierShards
 
@@ -44,84 +44,27 @@ from lightray.data.spec import tier_shards as tier_shards
 
 def train_block_batch(blocks: dict, *, spec: IngestSpec, phase: int, rank: int, world_size: int) -> dict:
     """Map one or more plan blocks to rank's images for those steps (Ray Data ``map_batches`` fn)."""
-    ph = spec.phases[phase]
-    if ph.device_augment:
-        return device_block_batch(blocks, spec=spec, phase=phase, rank=rank, world_size=world_size)
-    if ph.device_decode:
-        return jpeg_block_batch(blocks, spec=spec, phase=phase, rank=rank, world_size=world_size)
-    plan = EpochPlan(ph.shards.rows, spec.seed)
-    lo, hi = rank_slice(ph.batch_size, world_size, rank)
-    out_img, out_lab, out_id, out_epoch = [], [], [], []
-    for epoch, step0, nsteps in zip(blocks["epoch"].tolist(), blocks["step0"].tolist(), blocks["nsteps"].tolist()):
-        order = plan.order(epoch)
-        for step in range(step0, step0 + nsteps):
-            glob = order[step * ph.batch_size + lo: step * ph.batch_size + hi]
-            shard_idx, rows = plan.to_shard_row(glob)
-            for img, label, sid in ph.shards.images(spec.local_dir, shard_idx, rows, spec.local_max_bytes):
-                out_img.append(augment.train_crop(img, ph.resolution, ph.min_scale,
-                                                  augment.sample_rng(spec.seed, epoch, sid)))
-                out_lab.append(label)
-                out_id.append(sid)
-                out_epoch.append(epoch)
-    if not out_img:  # the placeholder block of a phase that is already trained
-        return {"image": np.zeros((0, ph.resolution, ph.resolution, 3), np.uint8), "label": np.zeros(0, np.int64),
-                "sample_id": np.zeros(0, np.int64), "epoch": np.zeros(0, np.int64)}
-    return {"image": np.stack(out_img), "label": np.asarray(out_lab, np.int64),
-            "sample_id": np.asarray(out_id, np.int64), "epoch": np.asarray(out_epoch, np.int64)}
+    # The placeholder block of a phase already trained has no positions: every path makes an empty batch of it.
+    return task_batches.positions_batch(spec, phase, *rank_positions(blocks, spec, phase, rank, world_size))
 
 
-def rank_positions(blocks: dict, spec: IngestSpec, phase: int, rank: int, world_size: int):
-    """(epoch, shard indices, rows) of rank's slice of every step of the blocks, in training order."""
+def rank_positions(blocks: dict, spec: IngestSpec, phase: int, rank: int,
+                   world_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(epochs, shard indices, rows) of rank's slice of every step of the blocks, in training order."""
     ph = spec.phases[phase]
     plan = EpochPlan(ph.shards.rows, spec.seed)
     lo, hi = rank_slice(ph.batch_size, world_size, rank)
+    epochs, shards, rows = [], [], []
     for epoch, step0, nsteps in zip(blocks["epoch"].tolist(), blocks["step0"].tolist(), blocks["nsteps"].tolist()):
         order = plan.order(epoch)
         for step in range(step0, step0 + nsteps):
-            shard_idx, rows = plan.to_shard_row(order[step * ph.batch_size + lo: step * ph.batch_size + hi])
-            yield epoch, shard_idx, rows
-
-
-def device_block_batch(blocks: dict, *, spec: IngestSpec, phase: int, rank: int, world_size: int) -> dict:
-    """The device path's map: each sample's window of stored pixels on the phase's canvas, its crop box (in
-    canvas pixels) and flip bit, drawn from (seed, epoch, sample id) exactly as the CPU path draws them. The
-    per-image work is a copy; the worker crops, resizes and flips the whole batch on its device."""
-    ph = spec.phases[phase]
-    pixels: list[np.ndarray] = []  # views into the shards (memory-mapped or object store): nothing copied yet
-    labels: list[int] = []
-    ids: list[int] = []
-    epochs: list[int] = []
-    for epoch, shard_idx, rows in rank_positions(blocks, spec, phase, rank, world_size):
-        for px, label, sid in ph.shards.arrays(spec.local_dir, shard_idx, rows, spec.local_max_bytes):
-            pixels.append(px)
-            labels.append(label)
-            ids.append(sid)
-        epochs.extend([epoch] * len(rows))
-    ids_a, epochs_a = np.asarray(ids, np.int64), np.asarray(epochs, np.int64)
-    images, boxes, flips = augment.device_windows(pixels, spec.seed, epochs_a, ids_a, ph.min_scale, ph.canvas)
-    return {"image": images, "box": boxes, "flip": flips, "label": np.asarray(labels, np.int64), "sample_id": ids_a,
-            "epoch": epochs_a}
-
-
-def jpeg_block_batch(blocks: dict, *, spec: IngestSpec, phase: int, rank: int, world_size: int) -> dict:
-    """The device-decode path's map: each sample's stored JPEG bytes, untouched, with its crop box (in stored-image
-    pixels) and flip bit drawn from (seed, epoch, sample id) exactly as the CPU path draws them; the worker
-    decodes, crops, resizes and flips the batch on its device (``lightray.data.device_decode``)."""
-    ph = spec.phases[phase]
-    pos = list(rank_positions(blocks, spec, phase, rank, world_size))
-    n = sum(len(rows) for _, _, rows in pos)
-    jpeg = np.empty(n, dtype=object)
-    boxes = np.zeros((n, 4), np.float32)
-    flips = np.zeros(n, bool)
-    labels, ids, epochs = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64)
-    i = 0
-    for epoch, shard_idx, rows in pos:
-        for data, h, w, label, sid in ph.shards.encoded(spec.local_dir, shard_idx, rows, spec.local_max_bytes):
-            box, flips[i] = augment.draw_crop(augment.sample_rng(spec.seed, epoch, sid), w, h, ph.min_scale)
-            jpeg[i], boxes[i] = data, box
-            labels[i], ids[i], epochs[i] = label, sid, epoch
-            i += 1
-    return {"jpeg": jpeg, "box": boxes, "flip": flips, "label": labels, "sample_id": ids, "epoch": epochs}
+            shard_idx, r = plan.to_shard_row(order[step * ph.batch_size + lo: step * ph.batch_size + hi])
+            epochs.append(np.full(len(r), epoch, np.int64))
+            shards.append(np.asarray(shard_idx, np.int64))
+            rows.append(np.asarray(r, np.int64))
+    if not rows:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(epochs), np.concatenate(shards), np.concatenate(rows)
 
 
 def val_block_batch(blocks: dict, *, spec: IngestSpec, rank: int, world_size: int, resolution: int) -> dict:
@@ -387,11 +330,12 @@ def plan_decode(spec: IngestSpec, decode_on: str, workers_use_cuda: bool, cpus_p
 
 
 def finalize_spec(spec: IngestSpec, data: Any, train_cpus: float, workers_use_cuda: bool = False,
-                  shared_tiers: dict[str, list] | None = None) -> None:
+                  shared_tiers: dict[str, list] | None = None, ranks: int = 1) -> None:
     """The start-up steps that need the cluster, in order: where augmentation runs, rect validation plan,
     object-store level, preprocessing calibration (last, so it times the level that will really serve).
     ``data`` is the config's DataConfig; ``train_cpus`` what the Train workers reserve; ``shared_tiers``
-    tiers already decoded for several runs (see :func:`materialize_tiers`)."""
+    tiers already decoded for several runs (see :func:`materialize_tiers`); ``ranks`` the Train workers that split
+    each plan block (the most the run starts)."""
     from lightray import startup
 
     spec.block_rows = data.block_rows or BLOCK_ROWS
@@ -411,4 +355,4 @@ def finalize_spec(spec: IngestSpec, data: Any, train_cpus: float, workers_use_cu
     with startup.phase("calibration"):
         autotune.apply(spec, concurrency=data.preprocess_concurrency, cpus=data.preprocess_cpus,
                        block_rows=data.block_rows, seconds=data.autotune_seconds, train_cpus=train_cpus,
-                       before_measure=lambda: ray.get(pending))
+                       before_measure=lambda: ray.get(pending), ranks=ranks)

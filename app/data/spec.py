@@ -39,6 +39,18 @@ class TierShards:
             return shard_cache.object_store_shard(self.refs[index])
         return shard_cache.parquet_shard(self.uris[index], self.sha256[index], self.fmt, local_dir, max_bytes)
 
+    def meta(self, local_dir: str, shard_idx: np.ndarray, rows: np.ndarray,
+             max_bytes: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(heights, widths, labels, sample ids) of (shard, row) pairs as int64 arrays, gathered a shard at a time
+        from its columns: no image is read."""
+        shard_idx, rows = np.asarray(shard_idx, np.int64), np.asarray(rows, np.int64)
+        out = np.zeros((4, len(rows)), np.int64)
+        order = np.argsort(shard_idx, kind="stable")
+        for at in np.split(order, np.flatnonzero(np.diff(shard_idx[order])) + 1) if len(order) else []:
+            view, r = self.shard(int(shard_idx[at[0]]), local_dir, max_bytes), rows[at]
+            out[:, at] = view.heights[r], view.widths[r], view.labels[r], view.ids[r]
+        return out[0], out[1], out[2], out[3]
+
     def images(self, local_dir: str, shard_idx: np.ndarray, rows: np.ndarray,
                max_bytes: int = 0) -> Iterator[tuple[Image.Image, int, int]]:
         """(PIL image, label, sample id) for (shard, row) pairs, in the given order."""

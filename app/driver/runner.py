@@ -147,7 +147,8 @@ def build_ingest_spec(cfg: Config, manifest, shared_tiers: dict[str, list] | Non
                       prefetch_batches=cfg.data.prefetch_batches,
                       local_max_bytes=int(cfg.data.local_cache_max_gb * 2**30))
     # Rect val plan, object-store cache level and preprocessing autotune: these run Ray tasks, so Ray is up.
-    finalize_spec(spec, cfg.data, cfg.worker_range()[1] * cfg.scaling.cpus_per_worker, gpu_wanted(cfg), shared_tiers)
+    ranks = cfg.worker_range()[1]
+    finalize_spec(spec, cfg.data, ranks * cfg.scaling.cpus_per_worker, gpu_wanted(cfg), shared_tiers, ranks=ranks)
     if cfg.report.eval_sweep:
         tiers = {r: tier_shards(manifest, "val", _val_tier_want(cfg, r)) for r in cfg.report.eval_sweep}
         add_eval_sweep(spec, cfg.report.eval_sweep,
