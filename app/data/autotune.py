@@ -2,13 +2,14 @@
 
 Tencent's 2020 record tuned its preprocessing threads per machine instead of guessing; here the knobs are
 Ray Data's: tasks in flight (``map_concurrency``, all ranks together), CPUs each task reserves
-(``map_cpus``) and global rows per task (``block_rows``). The calibration runs the real map work (shard
+(``map_cpus``) and global rows per plan block (``block_rows``). The calibration runs the real map work (shard
 read or object-store get, decode, random-resized-crop, flip) of the most expensive phase as plain Ray
 tasks, at 1, 2, 4, ... tasks in flight up to twice the CPUs left to Data after the Train workers'
 reservation, and measures delivered images/s at each. It picks the *smallest* concurrency within 10% of
 the best rate: more tasks than that add nothing but take cores from the training processes (and memory).
-Rows per task follow from the measured per-image cost (about half a second of work per task: task
-overhead stays small, batches still stream smoothly). Any of the three can be pinned in the config
+Rows per task follow from the measured per-image cost: about two seconds of work per task, so the time Ray
+Data's scheduling loop takes to see a task end stays near a tenth of it (see :data:`TASK_SECONDS`), and at most
+128 MiB of output; a plan block holds that many rows for each rank. Any of the three can be pinned in the config
 (``data.preprocess_concurrency``, ``data.preprocess_cpus``, ``data.block_rows``); ``data.autotune_seconds=0``
 turns the calibration off. The curve and the choice go to the run log as a ``preprocess_autotune`` unit
 event.
