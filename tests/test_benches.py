@@ -255,3 +255,19 @@ def test_time_to_accuracy_on_cifar10_runs_the_same_recipe_plain_and_names_the_ra
                 continue
             want = fig[side][f"{key}_to_target"]["0.3"]["median"] / fig["lightray"][f"{key}_to_target"]["0.3"]["median"]
             assert r["median"] == pytest.approx(want, rel=0.02)
+
+
+def test_ray_data_gap_bench_times_ray_data_and_plain_tasks_against_the_ideal():
+    out = subprocess.run([sys.executable, "-m", "bench.ray_data_gap", "--quick"], cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [ln for ln in out.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1, out.stdout
+    res = json.loads(lines[0])
+    fig = res["figures"]["task_0.05s"]
+    assert fig["ideal_s"] == pytest.approx(4 * 0.05 / 2)
+    # sleeping tasks can only take longer than the ideal, through either scheduler
+    assert fig["ray_data"]["elapsed_s"] >= fig["ideal_s"] and fig["plain_ray_s"] >= fig["ideal_s"]
+    assert 0 < fig["ray_data"]["tasks_in_flight_mean"] <= 2.05
+    assert res["ratios"]["task_0.05s_ray_data_over_ideal_time"] == pytest.approx(
+        fig["ray_data"]["elapsed_s"] / fig["ideal_s"], rel=0.02)

@@ -37,11 +37,10 @@ from lightray.data.timing import images_per_s
 log = logging.getLogger(__name__)
 MIN_CALIBRATION_SAMPLES = 2048  # below this a run is over before a calibration pays for itself
 # Rows per map task. Ray Data's scheduling loop polls its running tasks with a 0.1 s timeout (Ray 2.60) and a map
-# task's end takes about two polls to be seen (its output, then its end of stream), so a slot stays idle for about
-# 0.2 s after each task. Measured on the 2-core development machine: Ray Data map tasks of 0.3 s of sleep at 2 in
-# flight kept 1.2 in flight on average, and its stats put 0.19 s of scheduling time on each; lightray's 224 px
-# map delivered 534 img/s at 128 rows per task (0.3 s), 705 img/s at 512 (1.2 s). Two seconds of work per task
-# keep that loss near a tenth. The calibration times plain Ray tasks, which do not see it.
+# task's end takes about two polls to be seen (its output, then its end of stream), so a task slot stays idle for
+# a fraction of a second after each task; ``python -m bench.ray_data_gap`` measures it against plain Ray tasks, and
+# ``python -m bench.pipeline`` reports the tasks in flight of each path (docs/BENCHMARKS.md). Two seconds of work
+# per task keep that loss near a tenth. The calibration times plain Ray tasks, which do not see it.
 TASK_SECONDS = 2.0
 MAX_TASK_BYTES = 128 * 2**20  # Ray Data's target_max_block_size: a task's output past it is split into more blocks
 MIN_TASK_ROWS, MAX_TASK_ROWS = 64, 4096
