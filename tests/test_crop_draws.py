@@ -12,6 +12,7 @@ import torch
 from torchvision.transforms import RandomResizedCrop
 
 from lightray.data import augment
+from tests.crops import draw_crop
 
 SEED = 11
 
@@ -27,7 +28,7 @@ def test_a_samples_draws_do_not_depend_on_the_block_it_is_drawn_in():
     sub_boxes, sub_flips = augment.draw_crops(SEED, epochs[perm], ids[perm], heights[perm], widths[perm], 0.08)
     assert np.array_equal(sub_boxes, boxes[perm]) and np.array_equal(sub_flips, flips[perm])
     for i in range(0, n, 37):  # and a block of one
-        box, flip = augment.draw_crop(SEED, int(epochs[i]), int(ids[i]), int(widths[i]), int(heights[i]), 0.08)
+        box, flip = draw_crop(SEED, int(epochs[i]), int(ids[i]), int(widths[i]), int(heights[i]), 0.08)
         assert box == tuple(boxes[i].tolist()) and flip == bool(flips[i])
 
 

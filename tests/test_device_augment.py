@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from lightray.data import augment
 from lightray.data.ingest import IngestSpec, phase_blocks, plan_augmentation, train_block_batch
 from lightray.data.manifest import Manifest
 from lightray.data.plan import EpochPlan
 from lightray.train import device as dev
+from tests.crops import draw_crop
 from tests.small_tiers import one_phase_spec, prepared_tier
 
 ROOT = pathlib.Path(__file__).parents[1]
@@ -66,7 +66,7 @@ def test_device_path_crops_match_the_cpu_path_on_demo_tier_images(demo_manifest,
             sizes[sid] = px.shape
     for i, (sid, epoch) in enumerate(zip(got["sample_id"].tolist(), got["epoch"].tolist())):
         h, w = sizes[sid][:2]
-        box, flip = augment.draw_crop(spec.seed, epoch, sid, w, h, ph.min_scale)
+        box, flip = draw_crop(spec.seed, epoch, sid, w, h, ph.min_scale)
         shift = np.asarray(box, np.float64) - got["box"][i]
         assert np.allclose(shift, np.round(shift), atol=1e-3), shift
         assert round(shift[0]) == round(shift[2]) and round(shift[1]) == round(shift[3]), shift

@@ -20,6 +20,7 @@ from lightray.data.ingest import IngestSpec, PhaseSpec, phase_blocks, plan_augme
 from lightray.data.manifest import Manifest
 from lightray.data.prepare import prepare
 from lightray.train import device as dev
+from tests.crops import draw_crop
 
 TIER = 64  # the prepared tier's short side; the end-to-end test's panoramas are 64 x 440
 RES = 48
@@ -91,7 +92,7 @@ def test_every_drawn_window_fits_the_bound_including_crop_box_fallbacks(min_scal
     fallbacks = 0
     for k, (h, w) in enumerate(sizes):
         for sid in range(25):
-            box, _ = augment.draw_crop(SEED, k, sid, w, h, min_scale)
+            box, _ = draw_crop(SEED, k, sid, w, h, min_scale)
             x0, y0, x1, y1 = box
             fallbacks += math.isclose(x1 - x0, min(w, h * 4 / 3)) and math.isclose(y1 - y0, min(h, w * 4 / 3))
             win = augment.window_boxes(np.array([box]), np.array([h]), np.array([w]))[0]
@@ -112,7 +113,7 @@ def test_vectorised_window_copy_gives_crop_windows_canvases_and_boxes_byte_for_b
     images, boxes, flips = augment.device_windows(pixels, SEED, epochs, ids, 0.25, canvas)
     assert images.shape == (len(shapes), *canvas, 3)
     for i, px in enumerate(pixels):
-        box, flip = augment.draw_crop(SEED, int(epochs[i]), int(ids[i]), px.shape[1],
+        box, flip = draw_crop(SEED, int(epochs[i]), int(ids[i]), px.shape[1],
                                       px.shape[0], 0.25)
         ref = np.zeros((*canvas, 3), np.uint8)
         ref_box = augment.crop_window(px, box, ref)
@@ -165,7 +166,7 @@ def test_device_augment_canvas_with_panoramas_stays_small_and_crops_match(panora
                                  torch.from_numpy(got["flip"]), RES).permute(0, 2, 3, 1).numpy().astype(np.float64)
     for i, (sid, epoch) in enumerate(zip(got["sample_id"].tolist(), got["epoch"].tolist())):
         px = stored[sid]
-        box, flip = augment.draw_crop(SEED, epoch, sid, px.shape[1], px.shape[0], ph.min_scale)
+        box, flip = draw_crop(SEED, epoch, sid, px.shape[1], px.shape[0], ph.min_scale)
         assert bool(got["flip"][i]) == flip
         whole = whole_image_crop(px, np.asarray(box, np.float32), flip, RES)
         assert np.abs(crops[i] - whole).max() < 0.05, (sid, np.abs(crops[i] - whole).max())
@@ -192,7 +193,7 @@ def decode_batch_of(shapes: list[tuple[int, int]], min_scale: float = 0.25) -> t
     flips = np.zeros(len(shapes), bool)
     for i, (h, w) in enumerate(shapes):
         jpeg[i] = np.frombuffer(jpeg_bytes(h, w, 40 + i), np.uint8)
-        box, flips[i] = augment.draw_crop(SEED, 0, i, w, h, min_scale)
+        box, flips[i] = draw_crop(SEED, 0, i, w, h, min_scale)
         boxes[i] = box
     decoded, bad = device_decode.decode(device_decode.as_tensors(jpeg), "cpu")
     assert not bad
@@ -214,7 +215,7 @@ def test_device_decode_pastes_windows_so_panoramas_no_longer_size_the_canvas(min
         assert np.abs(crops[i] - whole).max() < 0.05, (BIG[i], np.abs(crops[i] - whole).max())
         # the CPU path: PIL's decode and crop of the same bytes from the same draws
         img = augment.decode(bytes(batch["jpeg"][i]), "jpeg", *BIG[i])
-        box, flip = augment.draw_crop(SEED, 0, i, BIG[i][1], BIG[i][0], min_scale)
+        box, flip = draw_crop(SEED, 0, i, BIG[i][1], BIG[i][0], min_scale)
         cpu = augment.train_crop(img, size, box, flip).astype(np.float64)
         err = np.abs(crops[i].round().clip(0, 255) - cpu).mean()
         assert err < 6.0, (BIG[i], err)

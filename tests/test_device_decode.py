@@ -13,10 +13,11 @@ import pytest
 import torch
 from PIL import Image
 
-from lightray.data import augment, device_decode
+from lightray.data import device_decode
 from lightray.data.ingest import IngestSpec, PhaseSpec, phase_blocks, plan_decode, tier_shards, train_block_batch
 from lightray.data.manifest import Manifest
 from lightray.train import device as dev
+from tests.crops import draw_crop
 from tests.small_tiers import one_phase_spec, prepared_tier
 
 RES = 48  # output size; the stored JPEG tier is 64 px short side, so crops both shrink and grow
@@ -64,7 +65,7 @@ def test_device_decode_matches_the_cpu_path_on_prepared_jpeg_shards(jpeg_manifes
     # The boxes and flips are the draws of (seed, epoch, sample id), in stored-image pixels.
     for i, (sid, epoch) in enumerate(zip(got["sample_id"].tolist(), got["epoch"].tolist())):
         w, h = Image.open(io.BytesIO(got["jpeg"][i])).size
-        box, flip = augment.draw_crop(spec.seed, epoch, sid, w, h, ph.min_scale)
+        box, flip = draw_crop(spec.seed, epoch, sid, w, h, ph.min_scale)
         assert np.allclose(got["box"][i], box, atol=1e-3) and bool(got["flip"][i]) == flip
     assert 0 < got["flip"].sum() < len(got["flip"])  # both flip values were exercised
 

@@ -28,9 +28,9 @@ def decode(data: bytes, fmt: str, height: int, width: int) -> Image.Image:
 # Every draw is a pure function of (seed, epoch, sample id, draw index): each sample's uniforms come from its own
 # numpy generator seeded with (seed, epoch, id), and torchvision's box arithmetic then runs for the whole block
 # in float64 numpy. The CPU path, the device path and the calibration all take their boxes from
-# :func:`draw_crops`, so they agree. (A counter-based hash of the same key, vectorised over the block, was tried:
-# the class-sorted Parquet smoke run in tests/test_source_order.py scored 66.7% top-1 with it, under two stream
-# constants, against 100% with these generators; the cause was not found, so the generators stay.)
+# :func:`draw_crops`, so they agree. The generators cost about 25 us a sample; a counter-based hash vectorised over
+# the block would be cheaper, but with one the class-sorted Parquet smoke run (tests/test_source_order.py) trained
+# to 66.7% top-1 instead of 100%, for a reason not found.
 CROP_TRIES = 10  # torchvision's RandomResizedCrop tries this many (area, aspect) pairs before its fallback
 RATIO = (3 / 4, 4 / 3)
 _DRAWS = 2 * CROP_TRIES + 3  # per try: area scale, log-aspect; then x, y and the flip
@@ -83,15 +83,6 @@ def draw_crops(seed: int, epochs: np.ndarray, ids: np.ndarray, heights: np.ndarr
     epochs = np.broadcast_to(np.asarray(epochs, np.int64), ids.shape)
     u = sample_uniforms(seed, epochs, ids, _DRAWS)
     return crop_boxes(u, heights, widths, min_scale), u[:, -1] < 0.5
-
-
-def draw_crop(seed: int, epoch: int, sample_id: int, width: int, height: int,
-              min_scale: float) -> tuple[tuple[float, float, float, float], bool]:
-    """One sample's (crop box, flip): :func:`draw_crops` of a block of one."""
-    boxes, flips = draw_crops(seed, np.array([epoch]), np.array([sample_id]), np.array([height]), np.array([width]),
-                              min_scale)
-    x0, y0, x1, y1 = boxes[0].tolist()
-    return (x0, y0, x1, y1), bool(flips[0])
 
 
 def train_crop(img: Image.Image, size: int, box: Sequence[float], flip: bool) -> np.ndarray:

@@ -55,6 +55,7 @@ class Choice:
     block_rows: int
     curve: list[dict] = field(default_factory=list)  # [{"concurrency": c, "images_per_s": r}, ...]
     reason: str = ""
+    rows_per_task: int = 0  # calibrated: one task's rows (block_rows is this times the ranks); 0 = not calibrated
 
 
 def data_cpus(train_cpus: float) -> float:
@@ -120,8 +121,9 @@ def calibrate(spec: IngestSpec, phase: int, avail_cpus: float, seconds: float,
     c = int(chosen["concurrency"])
     # Per-image seconds of one task: c tasks delivered ``rate`` images/s together.
     per_image = c / max(1e-9, chosen["images_per_s"])
-    return Choice(c, round(min(1.0, avail_cpus / c), 3), rows_per_task(per_image, output_bytes(spec.phases[phase])),
-                  curve, f"smallest concurrency within {KEEP_FRACTION:.0%} of the best {best:.0f} images/s")
+    rows = rows_per_task(per_image, output_bytes(spec.phases[phase]))
+    return Choice(c, round(min(1.0, avail_cpus / c), 3), rows, curve,
+                  f"smallest concurrency within {KEEP_FRACTION:.0%} of the best {best:.0f} images/s", rows)
 
 
 def output_bytes(ph: PhaseSpec) -> int:
@@ -166,19 +168,19 @@ def apply(spec: IngestSpec, *, concurrency: int = 0, cpus: float = 0.0, block_ro
         if cached is not None:
             choice = Choice(cached["concurrency"], cached["cpus"], cached["rows_per_task"], cached["curve"],
                             f"{cached['reason']}; cached from a calibration of the same data on this machine "
-                            f"at {time.strftime('%Y-%m-%d %H:%M', time.localtime(cached['measured_at']))}")
+                            f"at {time.strftime('%Y-%m-%d %H:%M', time.localtime(cached['measured_at']))}",
+                            cached["rows_per_task"])
         else:
             if before_measure is not None:
                 before_measure()
             choice = calibrate(spec, phase, avail, seconds, concurrency or None)
             autotune_cache.save(spec.local_dir, key, {"concurrency": choice.concurrency, "cpus": choice.cpus,
-                                                      "rows_per_task": choice.block_rows, "curve": choice.curve,
+                                                      "rows_per_task": choice.rows_per_task, "curve": choice.curve,
                                                       "reason": choice.reason})
         choice.concurrency = concurrency or choice.concurrency
         choice.cpus = cpus or choice.cpus
-        per_task = choice.block_rows
-        choice.block_rows = block_rows or per_task * max(1, ranks)
-        choice.reason += (f"; {per_task} rows per task (about {TASK_SECONDS:g} s of work, at most "
+        choice.block_rows = block_rows or choice.rows_per_task * max(1, ranks)
+        choice.reason += (f"; {choice.rows_per_task} rows per task (about {TASK_SECONDS:g} s of work, at most "
                           f"{MAX_TASK_BYTES // 2**20} MiB out) x {max(1, ranks)} ranks; calibration took "
                           f"{time.perf_counter() - t0:.1f} s")
     spec.map_concurrency, spec.map_cpus, spec.block_rows = choice.concurrency, choice.cpus, choice.block_rows
