@@ -160,9 +160,8 @@ def copy_windows(pixels: list[np.ndarray], boxes: np.ndarray, out: np.ndarray) -
 
     The windows come from one vectorised computation; each image then takes three slice copies (its window,
     the column and the row after it). Images differ in size, so no single gather covers them without copying
-    whole canvas rows past each window, and fancy-indexed edge copies over the batch cost more than the
-    slices: over 1,024 windows of 128 x 171 px, 18 ms for these slices against 37 ms for one slice per image
-    plus two fancy-indexed edge copies over the batch, on the 2-core development machine."""
+    whole canvas rows past each window, and fancy-indexed edge copies over the whole batch touch every canvas
+    row, where these slices touch only the window's."""
     n = len(pixels)
     if n == 0:
         return np.zeros((0, 4), np.float32)
