@@ -35,6 +35,7 @@ def _one_json_line(args: list[str], timeout: int = 900) -> dict:
     return res
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 @pytest.mark.timeout(3600)  # three Ray cluster starts on a shared 2-core machine
 def test_overhead_bench_runs_interleaved_pairs_with_threads_pinned_alike_and_judges_the_spread():
@@ -86,6 +87,7 @@ def test_spread_keeps_every_run_and_counts_the_missing_ones():
     assert s["runs"] == [3.0, None, 1.0, 2.0, 10.0]
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_time_to_accuracy_bench_both_main_sides_learn_well_above_chance_and_ratios_match_their_times(tmp_path):
@@ -207,6 +209,7 @@ def test_time_to_accuracy_ratios_are_baseline_over_lightray_per_repeat_with_miss
     assert out["vs_x_wall_s"]["0.5"]["runs"] == [2.0, pytest.approx(50 / 30, abs=1e-3), None]
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_search_bench_measures_each_trial_start_and_compares_samplers_on_trial_seconds():

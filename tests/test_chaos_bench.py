@@ -61,9 +61,10 @@ def test_fault_plan_keeps_only_the_chosen_kinds():
     assert plan[plan.index("preemption") + 1] == "node_add"
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_chaos_soak_survives_a_preemption_a_hung_peer_and_a_killed_driver_with_an_exact_audit(tmp_path):
-    """The short form CI runs (the whole soak, every kind and a reference run, is about 20 minutes here:
+    """The short form (the whole soak, every kind and a reference run, is about 20 minutes here:
     ``python -m bench.chaos --minutes 0``); each other kind also has its own test (test_multinode_faults,
     test_resume, test_checkpoint_write_failure). The hung peer is a real Train worker stopped with SIGSTOP:
     its peer's collective fails after the run's collective timeout and Ray Train replaces the group."""

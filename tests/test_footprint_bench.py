@@ -16,6 +16,7 @@ from lightray.startup import breakdown
 ROOT = pathlib.Path(__file__).parents[1]
 
 
+@pytest.mark.bench
 @pytest.mark.slow  # two real smoke runs (cold, warm) with their own Ray clusters: minutes on 2 cores
 @pytest.mark.timeout(1800)
 def test_footprint_bench_smoke_reports_peak_memory_by_kind_and_time_to_first_step():

@@ -231,6 +231,7 @@ def test_tiny_resnet_learns_ten_shapes_above_80_percent():
 
 
 # --- bench/gpu_check.sh dry run --------------------------------------------------------------------------------
+@pytest.mark.bench
 @pytest.mark.slow
 def test_gpu_check_cpu_dry_run_prints_bench_json():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

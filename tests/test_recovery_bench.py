@@ -69,6 +69,7 @@ def test_recovery_bench_rejects_a_kill_count_that_does_not_fit():
     assert out.returncode == 2 and "--kills: bad value 40" in out.stderr
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_recovery_bench_kills_at_the_seeded_steps_and_loses_at_most_an_interval(tmp_path):
     out = subprocess.run([sys.executable, "-m", "bench.recovery", "--kills", "2", "--seed", "1", "--variants",
