@@ -231,7 +231,7 @@ def test_tiny_resnet_learns_ten_shapes_above_80_percent():
 
 
 # --- bench/gpu_check.sh dry run --------------------------------------------------------------------------------
-@pytest.mark.bench
+# Stays in CI: the only run of bench.gpu_throughput's compiled variant (the GPU suite's dry run times eager only).
 @pytest.mark.slow
 def test_gpu_check_cpu_dry_run_prints_bench_json():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
