@@ -1,5 +1,9 @@
-"""Shared fixtures: one local Ray cluster per test session, and a shared shard cache so that the demo
-dataset is generated and prepared once, not once per test."""
+"""Shared fixtures. One local Ray cluster per test session, one shard cache, one finished run and one wheel,
+each made by the first test that asks and read by the rest.
+
+``LIGHTRAY_TEST_SHARED`` (set by .ci/run for its whole run) names a folder that outlives one pytest session, so
+that the default and the slow suites of one CI run share the shard cache, the finished run, the wheel and the
+inductor cache; without it, everything lives in the session's temp folder."""
 
 from __future__ import annotations
 
@@ -10,6 +14,46 @@ import pytest
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+# Dummy credentials for the local S3 server (moto), set before any cluster starts: Ray's worker processes take
+# the environment the cluster started with, and the session cluster serves the S3 tests' Ray Data reads too.
+for _k, _v in S3_ENV.items():
+    os.environ.setdefault(_k, _v)
+
+TIMEOUT_S = 300  # as pyproject.toml's [tool.pytest.ini_options] timeout
+SESSION_CPUS = 6  # logical CPUs of the session cluster: Train workers, Ray Data tasks and two search trials
+
+
+def pytest_collection_modifyitems(config, items):
+    # Tests marked own_cluster replace or end this process's Ray cluster: they run after every test that shares
+    # the session cluster, so that it starts once. A stable sort: file order is kept within each group.
+    items.sort(key=lambda item: item.get_closest_marker("own_cluster") is not None)
+    # At most TIMEOUT_S a test in CI (the `bench` runs, by hand only, may take longer): a hung run fails in
+    # minutes and names its test, instead of eating CI's limit.
+    for item in items:
+        mark = item.get_closest_marker("timeout")
+        if mark and mark.args and mark.args[0] > TIMEOUT_S and item.get_closest_marker("bench") is None:
+            raise pytest.UsageError(f"{item.nodeid}: timeout({mark.args[0]}) is over the {TIMEOUT_S} s a test may "
+                                    "take; make the test shorter")
+
+
+def shared_dir(tmp_path_factory) -> pathlib.Path:
+    """The folder shared by every test of this CI run (LIGHTRAY_TEST_SHARED) or else of this session."""
+    given = os.environ.get("LIGHTRAY_TEST_SHARED")
+    path = pathlib.Path(given) if given else tmp_path_factory.getbasetemp() / "shared"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def start_session_ray():
+    """This process's Ray: the session cluster, started on first use (and again after a test that needed a
+    cluster of its own shut it down)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=SESSION_CPUS, include_dashboard=False, log_to_driver=False)
+        ray.data.DataContext.get_current().enable_progress_bars = False
+    return ray
 
 
 @pytest.fixture(autouse=True)
@@ -22,22 +66,23 @@ def _short_train_controller_period(request, monkeypatch):
         monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _shared_inductor_cache(tmp_path_factory):
+    """torch.compile's caches kept across the tests (and the suites) of one run: compiled once, loaded after."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(shared_dir(tmp_path_factory) / "inductor"))
+
+
 @pytest.fixture(scope="session")
 def shared_cache(tmp_path_factory) -> pathlib.Path:
-    return tmp_path_factory.mktemp("shared-cache")
+    path = shared_dir(tmp_path_factory) / "shard-cache"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 @pytest.fixture
 def ray_local():
-    """A local Ray cluster with more logical CPUs than cores (Train workers + Ray Data tasks).
-
-    Started on first use and kept for later tests; modules that build their own multi-node cluster
-    shut it down first, and the next user starts it again."""
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    return ray
+    """The session's local Ray cluster, with more logical CPUs than cores (Train workers + Ray Data tasks)."""
+    return start_session_ray()
 
 
 @pytest.fixture(scope="session")
@@ -45,19 +90,26 @@ def smoke_overrides(shared_cache) -> dict:
     return {"data.cache_dir": str(shared_cache), "data.local_cache_dir": str(shared_cache / "local")}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def ray_cluster():
-    """A fresh local Ray cluster for one test module (prepare and source tests), shut down after it."""
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    """The session's local Ray cluster (the name the prepare and source tests use)."""
+    return start_session_ray()
 
 
-S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory, shared_cache) -> pathlib.Path:
+    """One finished smoke run, read by every test that only reads one (see tests/finished_run.py)."""
+    from tests.finished_run import finished_run as make
+
+    return make(shared_dir(tmp_path_factory), shared_cache)
+
+
+@pytest.fixture(scope="session")
+def lightray_wheel(tmp_path_factory) -> pathlib.Path:
+    """The wheel, built once per run from exactly the files the Dockerfile copies (see tests/wheel.py)."""
+    from tests.wheel import build_wheel
+
+    return build_wheel(shared_dir(tmp_path_factory) / "wheel")
 
 
 @pytest.fixture

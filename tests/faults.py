@@ -67,6 +67,21 @@ def kill_group(proc: subprocess.Popen) -> None:
         pass
     kill_processes(tree)
     proc.wait(timeout=60)
+    wait_gone(tree, 60)
+
+
+def wait_gone(procs: list, timeout: float) -> None:
+    """Until every process is gone (exited, or a zombie nobody reaps yet): a killed machine's processes hold
+    ports, files and the run lock's owner pid until then."""
+    import psutil
+
+    def alive(p) -> bool:
+        try:
+            return p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    wait_for(lambda: not any(alive(p) for p in procs), timeout, "the killed processes to exit")
 
 
 def finish(proc: subprocess.Popen, timeout: float = 600) -> str:

@@ -1,4 +1,4 @@
-"""A small prepared demo cache (3 classes, 48 train + 6 val images, one 64 px tier) on a fresh local Ray
+"""A small prepared demo cache (3 classes, 48 train + 6 val images, one 64 px tier) on the session's Ray
 cluster, for the device-path tests: ``raw_max_resolution`` picks how the tier is stored (64: decoded
 pixels, for device augmentation; 0: JPEG, for device decode)."""
 
@@ -7,29 +7,21 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Iterator
 
-import ray
-
 from lightray.data.demo import generate_demo
 from lightray.data.ingest import IngestSpec, PhaseSpec, tier_shards
 from lightray.data.manifest import Manifest
 from lightray.data.prepare import prepare
+from tests.conftest import start_session_ray
 
 TIER = 64
 
 
 def prepared_tier(root: pathlib.Path, raw_max_resolution: int) -> Iterator[Manifest]:
-    """Yields the manifest with Ray up (tests read the shards through Ray Data); shuts Ray down after."""
-    if ray.is_initialized():
-        ray.shutdown()
-    try:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    except Exception:  # "node timed out during startup" on a loaded machine: one more try
-        ray.shutdown()
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    """Yields the manifest with Ray up (tests read the shards through Ray Data)."""
+    start_session_ray()
     src = generate_demo(root / "src", num_classes=3, train_per_class=16, val_per_class=2, processes=1)
     yield Manifest.load(str(prepare(str(src), str(root / "cache"), [TIER], raw_max_resolution=raw_max_resolution,
                                     shard_rows=16)))
-    ray.shutdown()
 
 
 def one_phase_spec(manifest: Manifest, local_dir: str, resolution: int) -> IngestSpec:

@@ -3,10 +3,6 @@
 
 from __future__ import annotations
 
-import pathlib
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -14,17 +10,16 @@ from lightray.config import ConfigError, ModelConfig, load_config
 from lightray.train import device as dev
 from lightray.train.model import build_model, check_arch, to_device
 from lightray.units import pop_unit_events
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.test_config import cli_in_process
 
 
 @pytest.mark.parametrize("arch, close", [("resnet51", "resnet50"), ("timm:resnet10", "timm:resnet10t"),
                                          ("convnext_tinyy", "convnext_tiny")])
-def test_unknown_arch_exits_2_with_close_matches(arch, close):
-    proc = subprocess.run([sys.executable, "app/run.py", f"--model.arch={arch}", "--smoke-test", "--storage",
-                           "/nonexistent-should-not-be-created"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+def test_unknown_arch_exits_2_with_close_matches(arch, close, capsys):
+    code, err = cli_in_process(capsys, f"--model.arch={arch}", "--smoke-test", "--storage",
+                               "/nonexistent-should-not-be-created")
+    assert code == 2, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and f"model.arch: bad value {arch!r}" in lines[0]
     assert "close matches:" in lines[0] and close in lines[0].split("close matches:")[1]
 

@@ -238,13 +238,12 @@ def test_search_bench_measures_each_trial_start_and_compares_samplers_on_trial_s
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)
 def test_time_to_accuracy_on_cifar10_runs_the_same_recipe_plain_and_names_the_ratios(tmp_path):
     data = REPO.parent / "shared" / "data" / "cifar10"
     if not data.is_dir():
         pytest.skip(f"{data}: the CIFAR-10 training split is not beside this checkout")
     res = _one_json_line(["bench.time_to_accuracy", "--dataset", "cifar10", "--quick", "--target", "0.3",
-                          "--storage", str(tmp_path)], timeout=1700)
+                          "--storage", str(tmp_path)], timeout=280)
     fig, rat = res["figures"], res["ratios"]
     assert fig["dataset"] == "cifar10" and fig["train_images"] == 4000 and fig["val_images"] == 500
     assert fig["recipe"]["phases"] == [[24, 64, 0.6], [32, 64, 0.75]]  # scale 0.75 / 1.0 of the native 32 px
@@ -267,10 +266,15 @@ def test_ray_data_gap_bench_times_ray_data_and_plain_tasks_against_the_ideal():
     lines = [ln for ln in out.stdout.splitlines() if ln.strip()]
     assert len(lines) == 1, out.stdout
     res = json.loads(lines[0])
-    fig = res["figures"]["task_0.05s"]
+    assert (res["machine"]["tasks"], res["machine"]["in_flight"]) == (4, 2)  # --quick: 4 tasks of 0.05 s
+    assert set(res["figures"]) == {"task_0.05s"}
+    fig, rat = res["figures"]["task_0.05s"], res["ratios"]
     assert fig["ideal_s"] == pytest.approx(4 * 0.05 / 2)
-    # sleeping tasks can only take longer than the ideal, through either scheduler
-    assert fig["ray_data"]["elapsed_s"] >= fig["ideal_s"] and fig["plain_ray_s"] >= fig["ideal_s"]
+    elapsed, plain = fig["ray_data"]["elapsed_s"], fig["plain_ray_s"]
+    assert all(math.isfinite(t) and t > 0 for t in (elapsed, plain)), fig
     assert 0 < fig["ray_data"]["tasks_in_flight_mean"] <= 2.05
-    assert res["ratios"]["task_0.05s_ray_data_over_ideal_time"] == pytest.approx(
-        fig["ray_data"]["elapsed_s"] / fig["ideal_s"], rel=0.02)
+    # The gap the bench names is the measured elapsed time over the ideal, spread over the task slots and tasks,
+    # and each ratio is its own side's measured time over the ideal (figures rounded to 3 and 2 decimals).
+    assert fig["ray_data_idle_per_task_s"] == pytest.approx((elapsed - fig["ideal_s"]) * 2 / 4, abs=0.002)
+    assert rat["task_0.05s_ray_data_over_ideal_time"] == pytest.approx(elapsed / fig["ideal_s"], abs=0.006)
+    assert rat["task_0.05s_plain_ray_over_ideal_time"] == pytest.approx(plain / fig["ideal_s"], abs=0.006)

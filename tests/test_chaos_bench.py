@@ -101,3 +101,29 @@ def test_chaos_soak_survives_a_preemption_a_hung_peer_and_a_killed_driver_with_a
     assert result["figures"]["audit_exact"] is True, result["figures"]["audit_diff"]
     assert result["figures"]["status"] == "finished" and result["figures"]["group_start_timeout_s"] == 15
     assert result["ratios"]["top1_over_uninterrupted"] is None  # no reference run in the short form
+
+
+@pytest.mark.slow
+def test_a_hung_peer_and_a_killed_driver_are_survived_in_ci_with_an_exact_audit(tmp_path):
+    """The CI form of the soak above: the two faults that no other CI test injects end to end (a Train worker
+    stopped with SIGSTOP mid-run; a driver killed, whose successor cancels its bookings), in one short run."""
+    chosen = ("peer_hang", "driver_kill")
+    timeout_s = 20
+    out = subprocess.run([sys.executable, "-m", "bench.chaos", "--minutes", "0", "--seed", "0",
+                          "--faults", ",".join(chosen), "--no-reference", "--group-start-timeout-s", "15",
+                          "--collective-timeout-s", str(timeout_s), "--keep", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-6000:]
+    (line,) = out.stdout.strip().splitlines()
+    result = json.loads(line)
+    faults = result["figures"]["faults"]
+    for kind in chosen:
+        assert faults[kind]["injected"] == 1 and faults[kind]["survived"] == 1, (kind, result["figures"])
+    (hang,) = [f for f in result["figures"]["injections"] if f["kind"] == "peer_hang"]
+    assert hang["hung_process_ended"] is True and not hang["outlived"], hang
+    assert faults["peer_hang"]["restart_s"] < timeout_s + 60, faults["peer_hang"]
+    (kill,) = [f for f in result["figures"]["injections"] if f["kind"] == "driver_kill"]
+    assert kill["released_bookings"] is True, kill
+    assert result["figures"]["audit_exact"] is True, result["figures"]["audit_diff"]
+    assert result["figures"]["status"] == "finished"
+

@@ -13,8 +13,6 @@ import pathlib
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightray.comm import auto as comm_auto
 from lightray.comm.hook import AUTO_MEASURE_STEPS, CommHook
@@ -23,6 +21,7 @@ from lightray.comm.wire import allgather_bytes, ring_allreduce_bytes
 from lightray.config import CommConfig, ConfigError, load_config
 from lightray.train.state import load_rank_state, save_rank_state
 from lightray.units import pop_unit_events
+from tests.comm_net import spawn_ranks
 
 WORLD = 4
 PER_NODE = 2
@@ -41,9 +40,7 @@ def _grads(rank: int, step: int, integer: bool = False) -> torch.Tensor:
 
 
 def _init(rank: int, world: int, folder: str) -> Topology:
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    return Topology.simulated(world, rank, PER_NODE)
+    return Topology.simulated(world, rank, PER_NODE)  # the group itself is the session's (tests/comm_net.py)
 
 
 def _hook(topo: Topology, **kw) -> CommHook:
@@ -133,8 +130,6 @@ def _known_tensor_worker(rank: int, world: int, folder: str) -> None:
     out["auto_kept"] = {"mode": kept.mode, "residuals": len(kept.residuals()), "regrown_mode": regrown.mode,
                         "regrown_describe": regrown.describe()}
     torch.save(out, os.path.join(folder, f"out{rank}.pt"))
-    dist.destroy_process_group()
-    os._exit(0)  # skip interpreter teardown: ~20 s per process on a loaded 2-core machine
 
 
 def _auto_grads(rank: int, step: int) -> torch.Tensor:
@@ -142,8 +137,7 @@ def _auto_grads(rank: int, step: int) -> torch.Tensor:
 
 
 def _spawn(fn, folder: pathlib.Path, world: int = WORLD) -> list[dict]:
-    mp.spawn(fn, args=(world, str(folder)), nprocs=world, join=True)
-    return [torch.load(folder / f"out{r}.pt", weights_only=False) for r in range(world)]
+    return spawn_ranks(fn, world, folder)
 
 
 @pytest.fixture(scope="module")
@@ -406,8 +400,6 @@ def _ddp_worker(rank: int, world: int, folder: str) -> None:
                    "mode": hook.mode, "compressed": hook.compressed_steps, "inter": hook.bytes_inter_node,
                    "describe": hook.describe(), "evidence": hook.auto_evidence}
     torch.save(out, os.path.join(folder, f"out{rank}.pt"))
-    dist.destroy_process_group()
-    os._exit(0)  # skip interpreter teardown: ~20 s per process on a loaded 2-core machine
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,9 @@ tensors; the all-gathered result and the bytes handed to the collectives on 2 re
 from __future__ import annotations
 
 import os
-import pathlib
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightray.comm.compress import (
     FP16_MAX,
@@ -25,6 +22,7 @@ from lightray.comm.compress import (
 from lightray.comm.hook import CommHook
 from lightray.comm.topology import Topology
 from lightray.config import CommConfig
+from tests.comm_net import spawn_ranks
 
 N = 3 * INDEX_BLOCK + 123  # four index blocks, the last one partial
 FP16_EPS = 2.0 ** -11  # fp16's relative rounding error (10 stored mantissa bits)
@@ -99,9 +97,7 @@ def test_residual_keeps_the_fp16_rounding_error_so_sent_plus_residual_is_the_acc
 def _worker(rank: int, world: int, folder: str) -> None:
     from bench.comm import _Handed
 
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    handed = _Handed()
+    handed = _Handed()  # wraps torch.distributed's all_reduce / all_gather until the rank pool puts them back
     out: dict = {}
     for mode, per_node in (("topk", 2), ("hierarchical_topk", 1)):  # hierarchical: 2 simulated nodes of 1
         topo = Topology.simulated(world, rank, per_node)
@@ -119,15 +115,11 @@ def _worker(rank: int, world: int, folder: str) -> None:
                                     "by_group": {g: v - by0.get(g, 0) for g, v in handed.by_group.items()},
                                     "meter": hook.bytes_sent, "inter": hook.bytes_inter_node}
     torch.save(out, os.path.join(folder, f"out{rank}.pt"))
-    dist.destroy_process_group()
-    os._exit(0)  # skip interpreter teardown
 
 
 @pytest.fixture(scope="module")
 def gloo(tmp_path_factory) -> list[dict]:
-    folder: pathlib.Path = tmp_path_factory.mktemp("payload")
-    mp.spawn(_worker, args=(2, str(folder)), nprocs=2, join=True)
-    return [torch.load(folder / f"out{r}.pt", weights_only=False) for r in range(2)]
+    return spawn_ranks(_worker, 2, tmp_path_factory.mktemp("payload"))
 
 
 @pytest.mark.parametrize("mode", ["topk", "hierarchical_topk"])

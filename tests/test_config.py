@@ -9,6 +9,17 @@ from lightray.config import ConfigError, load_config
 RUN = [sys.executable, "app/run.py"]
 
 
+def cli_in_process(capsys, *argv: str) -> tuple[int, str]:
+    """(exit status, stderr) of ``lightray.cli.main(argv)`` in this process: what the program returns."""
+    from lightray.cli import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*RUN, *args], capture_output=True, text=True, timeout=120,
                           cwd=str(__import__("pathlib").Path(__file__).parents[1]))
@@ -30,12 +41,20 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         (["--schedule.phases=[{until_epoch: 2, resolution: 4, batch_size: 8}]"], "schedule.phases[0].resolution"),
     ],
 )
-def test_bad_config_exits_2_with_one_line_naming_the_key(args, key):
-    proc = run_cli(*args, "--smoke-test", "--storage", "/nonexistent-should-not-be-created")
+def test_bad_config_exits_2_with_one_line_naming_the_key(args, key, capsys):
+    code, err = cli_in_process(capsys, *args, "--smoke-test", "--storage", "/nonexistent-should-not-be-created")
+    assert code == 2, err
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert key in lines[0]
+
+
+def test_the_program_exits_2_with_the_one_line_on_stderr():
+    """The error paths above run in this process (lightray.cli.main); this one is the real program's exit."""
+    proc = run_cli("--optim.lr_per_256=fast", "--smoke-test", "--storage", "/nonexistent-should-not-be-created")
     assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1, proc.stderr
-    assert key in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("lightray: error: ") and "optim.lr_per_256" in lines[0]
 
 
 def test_error_names_the_bad_value_and_what_is_allowed():

@@ -20,6 +20,7 @@ from lightray.data.ingest import IngestSpec, PhaseSpec, phase_blocks, plan_augme
 from lightray.data.manifest import Manifest
 from lightray.data.prepare import prepare
 from lightray.train import device as dev
+from tests.conftest import start_session_ray
 from tests.crops import draw_crop
 
 TIER = 64  # the prepared tier's short side; the end-to-end test's panoramas are 64 x 440
@@ -124,7 +125,6 @@ def test_vectorised_window_copy_gives_crop_windows_canvases_and_boxes_byte_for_b
 
 @pytest.fixture(scope="module")
 def panorama_manifest(tmp_path_factory) -> Manifest:
-    import ray
 
     root = tmp_path_factory.mktemp("canvas")
     seed = 0
@@ -134,12 +134,9 @@ def panorama_manifest(tmp_path_factory) -> Manifest:
             for i, (h, w) in enumerate(per_class):
                 seed += 1
                 Image.fromarray(smooth_image(h, w, seed)).save(root / "src" / split / label / f"{i}.jpg", quality=92)
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_session_ray()
     yield Manifest.load(str(prepare(str(root / "src"), str(root / "cache"), [TIER], raw_max_resolution=TIER,
                                     shard_rows=16)))
-    ray.shutdown()
 
 
 def test_device_augment_canvas_with_panoramas_stays_small_and_crops_match(panorama_manifest, tmp_path):

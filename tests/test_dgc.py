@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import math
 import os
-import pathlib
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightray.comm import compress
 from lightray.comm.dgc import warmup_ratio
@@ -22,6 +19,7 @@ from lightray.comm.hook import CommHook
 from lightray.comm.topology import Topology
 from lightray.comm.wire import allgather_bytes
 from lightray.config import CommConfig
+from tests.comm_net import spawn_ranks
 
 WORLD = 4
 PER_NODE = 2
@@ -84,8 +82,6 @@ def _ddp_run(topo: Topology, x, y, cfg: CommConfig | None, nesterov: bool, steps
 
 
 def _worker(rank: int, world: int, folder: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
-    torch.set_num_threads(1)
     topo = Topology.simulated(world, rank, PER_NODE)
     out: dict = {"grads": [_grads(rank, s) for s in range(3)]}
 
@@ -151,8 +147,6 @@ def _worker(rank: int, world: int, folder: str) -> None:
     cfg = CommConfig(mode="topk", ratio=0.05, warmup_steps=2, momentum_correction=True, payload="fp32")
     out["mc_sparse"] = _ddp_run(topo, x, y, cfg, False)[0]
     torch.save(out, os.path.join(folder, f"out{rank}.pt"))
-    dist.destroy_process_group()
-    os._exit(0)  # skip interpreter teardown: seconds per process on a loaded 2-core machine
 
 
 def _save(obj: dict, folder: str, rank: int) -> str:
@@ -163,9 +157,7 @@ def _save(obj: dict, folder: str, rank: int) -> str:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
-    folder: pathlib.Path = tmp_path_factory.mktemp("dgc")
-    mp.spawn(_worker, args=(WORLD, str(folder)), nprocs=WORLD, join=True)
-    return [torch.load(folder / f"out{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, WORLD, tmp_path_factory.mktemp("dgc"))
 
 
 # --- references (written independently of the hook) ------------------------------------------------

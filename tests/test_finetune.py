@@ -23,6 +23,7 @@ from lightray.train.export import describe, write_weights
 from lightray.train.finetune import HeadWarmup
 from lightray.train.model import build_model
 from lightray.units import pop_unit_events
+from tests.test_config import cli_in_process
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -75,12 +76,11 @@ def test_a_pickle_that_is_not_a_plain_state_dict_is_refused(tmp_path):
         build_model(ModelConfig(arch="resnet_tiny", pretrained=str(tmp_path / "full.pt")), 4)
 
 
-def test_missing_pretrained_file_exits_2_with_one_line():
-    proc = subprocess.run([sys.executable, "app/run.py", "--smoke-test", "--model.pretrained=/no/such/w.safetensors",
-                           "--storage", "/tmp/lightray-nonexistent-storage"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+def test_missing_pretrained_file_exits_2_with_one_line(capsys):
+    code, err = cli_in_process(capsys, "--smoke-test", "--model.pretrained=/no/such/w.safetensors",
+                               "--storage", "/tmp/lightray-nonexistent-storage")
+    assert code == 2, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and "model.pretrained: file /no/such/w.safetensors not found" in lines[0]
 
 

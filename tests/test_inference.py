@@ -15,12 +15,14 @@ from PIL import Image
 
 from lightray.cli import main
 from lightray.inference import EvalTransform, evaluate_folder, predict
-from tests.exported_run import ROOT, exported_run, val_source_files
+from tests.finished_run import val_source_files
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, shared_cache) -> pathlib.Path:
-    return exported_run(tmp_path_factory, shared_cache)
+def run_dir(finished_run) -> pathlib.Path:
+    return finished_run
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -36,6 +38,7 @@ def test_eval_on_the_runs_val_split_reproduces_its_reported_top1(run_dir, tmp_pa
     assert final["images"] == 64
     assert final["top1"] == summary["final_top1"] and final["top5"] == summary["final_top5"]
     assert f"top-1 {summary['final_top1']:.4f}" in proc.stdout
+    (run_dir / "eval.json").unlink(missing_ok=True)  # the shared run may hold one from an earlier session
     best = evaluate_folder(str(run_dir), weights="best", device="cpu")
     assert best["top1"] == summary["best_top1"]
     assert (run_dir / "eval.json").is_file()  # default place: next to the run's summary.json

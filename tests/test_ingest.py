@@ -10,7 +10,6 @@ import pathlib
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import ray
 import torch
 import torch.nn as nn
 from PIL import Image
@@ -33,18 +32,14 @@ from lightray.data.ingest import (
 from lightray.data.manifest import Manifest
 from lightray.data.prepare import prepare
 from lightray.train.evaluate import evaluate
+from tests.conftest import start_session_ray
 
 TIERS = [16, 24]  # 16 stored raw, 24 as JPEG
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    yield
-    ray.shutdown()
+    start_session_ray()
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import json
 import os
 import pathlib
 import subprocess
-import sys
 import venv
 
 import pytest
@@ -22,14 +21,11 @@ def _run(cmd: list[str], cwd: pathlib.Path, timeout: int, env: dict[str, str]) -
 
 
 @pytest.mark.slow
-def test_wheel_in_a_fresh_venv_trains_and_searches_from_another_folder(tmp_path):
-    wheels, env_dir, work = tmp_path / "wheels", tmp_path / "venv", tmp_path / "elsewhere"
+def test_wheel_in_a_fresh_venv_trains_and_searches_from_another_folder(tmp_path, lightray_wheel):
+    env_dir, work, wheel = tmp_path / "venv", tmp_path / "elsewhere", lightray_wheel
     work.mkdir()
     # Run the way a user outside the checkout would: no PYTHONPATH pointing into it.
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(REPO)],
-         work, 300, env)
-    wheel, = wheels.glob("lightray-*.whl")
     # The dependencies (torch, Ray: GBs) come from this interpreter's site-packages; lightray itself only from
     # the wheel, installed into the venv.
     venv.create(env_dir, system_site_packages=True, with_pip=True)

@@ -3,29 +3,21 @@ Dockerfile. Every rule is also shown to catch a manifest (or Dockerfile) broken 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import re
-import subprocess
-import sys
 import time
 import zipfile
 from typing import Any
 
 import pytest
 
+from tests.wheel import k8s_checks
+
 HERE = pathlib.Path(__file__).resolve().parent
 
 
-def _load_checks():
-    spec = importlib.util.spec_from_file_location("k8s_checks", HERE / "k8s" / "checks.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-checks = _load_checks()
+checks = k8s_checks()
 DELETE = object()
 
 
@@ -359,23 +351,10 @@ def test_dockerignore_must_let_every_copied_source_through():
     assert any("expected an allowlist" in p for p in found), found
 
 
-def test_wheel_stage_builds_lightray_from_the_copied_sources_alone(tmp_path):
-    """What the Dockerfile's first stage runs, offline: `pip wheel` over exactly the files it copies."""
-    import shutil
-
-    st = checks.stages(checks.parse_dockerfile(_dockerfile()))
-    context = tmp_path / "context"
-    for src in checks.copy_sources(st):
-        path = checks.REPO / src
-        if path.is_dir():
-            shutil.copytree(path, context / src, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        else:
-            context.mkdir(exist_ok=True)
-            shutil.copy(path, context / src)
-    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                          "--wheel-dir", str(tmp_path / "wheels"), str(context)], capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-2000:]
-    wheel, = (tmp_path / "wheels").glob("lightray-*.whl")
+def test_wheel_stage_builds_lightray_from_the_copied_sources_alone(lightray_wheel):
+    """What the Dockerfile's first stage runs, offline: `pip wheel` over exactly the files it copies (built once
+    per run by tests/wheel.py, which tests/test_install.py installs)."""
+    wheel = lightray_wheel
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         entry_points = next(zf.read(n).decode() for n in names if n.endswith("entry_points.txt"))
@@ -433,6 +412,7 @@ def ray_cluster():
             address_file.unlink()
 
 
+@pytest.mark.own_cluster
 @pytest.mark.slow
 def test_prestop_hook_drains_its_node_for_preemption_and_waits_for_its_gpus(ray_cluster, cluster):
     import ray

@@ -28,14 +28,21 @@ from tests.faults import (
     wait_for,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.own_cluster]
 EPOCH0 = 8 * 64  # samples in each of the first two epochs (512 // 64 steps of 64)
 
 
-@pytest.fixture
-def nodes():
+@pytest.fixture(scope="module")
+def cluster():
     with NodeCluster(workers=2) as c:
         yield c
+
+
+@pytest.fixture
+def nodes(cluster):
+    """The module's cluster with two live trainer nodes: each test leaves two behind (a lost node is replaced)."""
+    assert len(cluster.alive_trainer_nodes()) == 2, cluster.alive_trainer_nodes()
+    return cluster
 
 
 def _summary(run):
@@ -46,31 +53,57 @@ def _checkpoint_samples(run) -> set[int]:
     return {int(p.name.split("_")[1]) for p in checkpoints(run)}
 
 
-def test_lost_node_is_replaced_and_the_model_carries_each_planned_sample_once(nodes, tmp_path, shared_cache):
-    proc = cluster_driver(nodes, tmp_path, "lost", cache=shared_cache)
-    run = tmp_path / "lost"
+def test_a_notice_and_a_lost_node_in_one_run_lose_no_noticed_work_and_carry_each_planned_sample_once(
+        nodes, tmp_path, shared_cache):
+    """A spot notice (the node drained for preemption) and later a node gone without notice, in one run of fixed
+    size: the notice's checkpoint loses nothing; the loss rolls back to a checkpoint written before it; in the
+    end the model carries every planned sample exactly once. 6 epochs (80 steps): room for both faults."""
+    epochs = 6
+    # Every checkpoint kept, so that the one each restart used can be read back afterwards.
+    proc = cluster_driver(nodes, tmp_path, "faults", "--checkpoint.keep=100", cache=shared_cache, epochs=epochs)
+    run = tmp_path / "faults"
     try:
-        # After the first checkpoint and some steps past it, so that the failure rolls work back.
-        wait_for(lambda: checkpoints(run) and last_samples(run) > min(_checkpoint_samples(run)), 300,
-                 "a checkpoint and a step past it", proc)
+        wait_for(lambda: checkpoints(run), 300, "the first checkpoint", proc)
+        doomed = nodes.nodes[0]
+        deadline_ms = int((time.time() + 120) * 1000)
+        accepted, why = drain_node_for_preemption(doomed.node_id, deadline_ms, "test: spot interruption notice")
+        assert accepted, why
+        nodes.add_worker()  # the replacement, launched when the notice came
+        wait_for(lambda: events(run, "restart"), 300, "the restart off the draining node", proc)
+        nodes.remove_worker(doomed)  # the machine goes away once Ray Train has left it
+        resumed = events(run, "restart")[0]["samples_seen"]
+        # A checkpoint after the restart and some steps past it, so that the loss rolls work back.
+        wait_for(lambda: max(_checkpoint_samples(run)) > resumed and last_samples(run) > max(_checkpoint_samples(run)),
+                 300, "a checkpoint after the restart and a step past it", proc)
         nodes.remove_worker()  # a Train worker's machine gone, no notice
         lost_at = last_samples(run)
         nodes.add_worker()  # the autoscaler's replacement
-        out = finish(proc, timeout=420)
+        out = finish(proc, timeout=300)
     finally:
         if proc.poll() is None:
             kill_group(proc)
     summary = _summary(run)
     assert summary["status"] == "finished", out[-3000:]
-    assert summary["restarts"] >= 1
-    restart = events(run, "restart")[0]
-    # Resumed from a checkpoint written before the loss (checkpoints rotate out under keep=2: check by name).
-    assert restart["checkpoint"].endswith(f"checkpoint_{restart['samples_seen']:012d}")
-    assert 0 < restart["samples_seen"] <= lost_at
-    assert summary["lost_work"][0]["resumed_at"] == restart["samples_seen"]
-    assert summary["samples_seen"] == 2 * EPOCH0 + 2 * 16 * 32
+    restarts = events(run, "restart")
+    assert len(restarts) >= 2 and summary["restarts"] >= 2
+    # The notice: its own checkpoint, resumed from with nothing lost.
+    (notice,) = events(run, "preemption_checkpoint")
+    saved = notice["samples_seen"]
+    assert restarts[0]["samples_seen"] == saved and restarts[0]["checkpoint"].endswith(f"checkpoint_{saved:012d}")
+    # The checkpoint resumed from is the one written for the notice, not an earlier interval or epoch one.
+    meta = json.loads((run / f"checkpoint_{saved:012d}" / "meta_rank0.json").read_text())
+    assert (meta["reason"], meta["samples_seen"], meta["world_size"]) == ("preemption", saved, 2)
+    assert summary["preemption_checkpoints"] == 1
+    first, second = summary["lost_work"][0], summary["lost_work"][1]
+    assert first["resumed_at"] == saved and first["lost_samples"] == 0, summary["lost_work"]
+    # The loss: resumed from a checkpoint written before it (checked by name: they are all kept).
+    lost = restarts[1]
+    assert lost["checkpoint"].endswith(f"checkpoint_{lost['samples_seen']:012d}")
+    assert saved < lost["samples_seen"] <= lost_at
+    assert second["resumed_at"] == lost["samples_seen"]
+    assert summary["samples_seen"] == 2 * EPOCH0 + (epochs - 2) * 16 * 32
     carried, planned = carried_samples(run), planned_samples(run)
-    assert sorted(carried) == [0, 1, 2, 3]
+    assert sorted(carried) == list(range(epochs))
     assert same_multiset(carried, planned) == {}
 
 
@@ -109,37 +142,4 @@ def test_elastic_run_shrinks_to_one_worker_and_grows_back_on_the_recipes_lr_and_
         # Steps taken = the recipe's steps to reach S: every step consumed one recipe global batch, at any world size.
         assert r["step"] == steps_for(sched, r["samples_seen"]), r
     assert summary["samples_seen"] == sched.total_samples == 2 * EPOCH0 + 6 * 16 * 32
-    assert same_multiset(carried_samples(run), planned_samples(run)) == {}
-
-
-def test_preemption_notice_checkpoints_and_the_restart_loses_no_work(nodes, tmp_path, shared_cache):
-    # Every checkpoint kept, so that the one the restart used can be read back afterwards.
-    proc = cluster_driver(nodes, tmp_path, "notice", "--checkpoint.keep=100", cache=shared_cache)
-    run = tmp_path / "notice"
-    try:
-        wait_for(lambda: checkpoints(run), 300, "the first checkpoint", proc)
-        doomed = nodes.nodes[0]
-        deadline_ms = int((time.time() + 120) * 1000)
-        accepted, why = drain_node_for_preemption(doomed.node_id, deadline_ms, "test: spot interruption notice")
-        assert accepted, why
-        nodes.add_worker()  # the replacement, launched when the notice came
-        wait_for(lambda: events(run, "restart"), 300, "the restart off the draining node", proc)
-        nodes.remove_worker(doomed)  # the machine goes away once Ray Train has left it
-        out = finish(proc, timeout=420)
-    finally:
-        if proc.poll() is None:
-            kill_group(proc)
-    summary = _summary(run)
-    assert summary["status"] == "finished", out[-3000:]
-    (notice,) = events(run, "preemption_checkpoint")
-    saved = notice["samples_seen"]
-    restart = events(run, "restart")[0]
-    assert restart["samples_seen"] == saved and restart["checkpoint"].endswith(f"checkpoint_{saved:012d}")
-    # The checkpoint resumed from is the one written for the notice, not an earlier interval or epoch one.
-    meta = json.loads((run / f"checkpoint_{saved:012d}" / "meta_rank0.json").read_text())
-    assert (meta["reason"], meta["samples_seen"], meta["world_size"]) == ("preemption", saved, 2)
-    assert summary["preemption_checkpoints"] == 1 and summary["restarts"] >= 1
-    first = summary["lost_work"][0]
-    assert first["resumed_at"] == saved and first["lost_samples"] == 0, summary["lost_work"]
-    assert summary["samples_seen"] == 2 * EPOCH0 + 2 * 16 * 32
     assert same_multiset(carried_samples(run), planned_samples(run)) == {}

@@ -6,10 +6,7 @@ from __future__ import annotations
 import io
 import json
 import pathlib
-import subprocess
-import sys
 
-import numpy as np
 import pytest
 from PIL import Image
 
@@ -18,22 +15,9 @@ from lightray.data import native
 from lightray.data.manifest import Manifest
 from lightray.data.prepare import prepare, prepare_main
 from lightray.data.sources import list_source
+from tests.photos import photo_tree
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-def photo_tree(root: pathlib.Path, size: int, per_class: int = 24, classes: int = 3, val_per_class: int = 6
-               ) -> pathlib.Path:
-    """An ImageFolder tree of ``size`` x ``size`` JPEGs whose dominant colour channel is the class."""
-    rng = np.random.default_rng(0)
-    for split, n in (("train", per_class), ("val", val_per_class)):
-        for c in range(classes):
-            (root / split / f"c{c}").mkdir(parents=True, exist_ok=True)
-            for i in range(n):
-                arr = (rng.random((size, size, 3)) * 60).astype(np.uint8)
-                arr[..., c] += 150
-                Image.fromarray(arr).save(root / split / f"c{c}" / f"{i:04d}.jpg", quality=90)
-    return root
 
 
 def test_short_side_reads_the_header_and_the_median_is_the_lower_one():
@@ -100,22 +84,3 @@ def test_prepare_builds_no_tier_above_the_native_size_and_records_it(tmp_path, r
     assert [p.resolution for p in cfg.schedule.phases] == [32, 48, 64]  # the run fits its own config, and says so
     direct = Manifest.load(str(prepare(str(tmp_path / "src"), str(tmp_path / "cache2"), [32, 64])))
     assert direct.tiers("train") == [32, 64]  # tiers asked for by hand are built as asked
-
-
-def test_the_demo_recipe_on_32px_photos_trains_at_32px_at_most_and_says_so(tmp_path):
-    src = photo_tree(tmp_path / "src", 32)
-    storage = tmp_path / "runs"
-    proc = subprocess.run(
-        [sys.executable, "app/run.py", "--data", str(src), "--storage", str(storage), "--name", "n",
-         "--schedule.epochs=3", "--report.eval_sweep=[]", "--scaling.ray_address=local",
-         f"--data.cache_dir={tmp_path / 'cache'}", "--data.autotune_seconds=0"],
-        cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "phase 1: 48 px clipped to the source's native 32 px" in proc.stdout
-    assert "phase 2: 64 px clipped to the source's native 32 px" in proc.stdout
-    data = json.loads((storage / "n" / "data.json").read_text())
-    assert data["native_short_side"] == 32 and data["phase_tiers"] == [32, 32, 32] and data["val_tier"] == 32
-    trained = {r["resolution"] for r in map(json.loads, (storage / "n" / "metrics.jsonl").read_text().splitlines())
-               if "resolution" in r}
-    assert trained == {32}
-    assert json.loads((storage / "n" / "summary.json").read_text())["status"] == "finished"

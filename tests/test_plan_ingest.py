@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import ray
 
 from bench.pipeline import make_source
 from lightray.data.ingest import IngestSpec, PhaseSpec, PlanDataConfig, make_blocks_dataset, phase_blocks, tier_shards
 from lightray.data.manifest import Manifest
 from lightray.data.plan import EpochPlan, rank_slice
 from lightray.data.prepare import prepare
+from tests.conftest import start_session_ray
 
 BATCH = 21  # uneven across 2 and 3 workers on purpose; 100 samples -> 4 steps, a tail of 16 left out
 EPOCHS = 2
@@ -19,10 +19,7 @@ EPOCHS = 2
 
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory) -> IngestSpec:
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    start_session_ray()
     root = tmp_path_factory.mktemp("plan")
     src = make_source(root / "src", n_train=100, classes=3, size=(24, 18))
     man = Manifest.load(str(prepare(str(src), str(root / "cache"), [16], raw_max_resolution=0, shard_rows=16)))
@@ -30,7 +27,6 @@ def spec(tmp_path_factory) -> IngestSpec:
     yield IngestSpec(seed=7, local_dir=str(root / "local"), train_size=man.num_samples("train"),
                      phases=[PhaseSpec(0, 16, BATCH, 0.35, 0, EPOCHS, train)], val=train, eval_resolution=16,
                      val_crop_ratio=0.875, block_rows=2 * BATCH, map_concurrency=2)
-    ray.shutdown()
 
 
 def serve(spec: IngestSpec, world: int, epoch: int = 0, step: int = 0) -> list[list[dict]]:

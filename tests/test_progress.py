@@ -169,11 +169,14 @@ def test_quiet_ray_logging_turns_ray_noise_off_and_verbose_back_on() -> None:
         logging.getLogger("ray.train").setLevel(saved[2])
 
 
+@pytest.mark.own_cluster
 def test_quiet_ray_logging_kwargs_start_a_real_cluster() -> None:
     import ray
 
-    if ray.is_initialized():
-        pytest.skip("another test left Ray running")
+    # This test needs a cluster started with the kwargs it checks: end the session's cluster, if one is up (the
+    # own_cluster marker runs it after every test that shares it; conftest starts it again for a later user).
+    ray.shutdown()
+    assert not ray.is_initialized()
     ray.init(address="local", num_cpus=1, include_dashboard=False, **quiet_ray_logging(verbose=False))
     try:
         assert ray.get(ray.put(7)) == 7

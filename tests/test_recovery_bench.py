@@ -89,3 +89,21 @@ def test_recovery_bench_kills_at_the_seeded_steps_and_loses_at_most_an_interval(
         assert 0 <= k["lost_steps"] <= CHECKPOINT_EVERY and k["resumed_step"] % CHECKPOINT_EVERY == 0
         assert k["restart_overhead_s"] > 0
     assert fig["no_notice"]["restart_overhead_s"]["n"] == 2 and fig["no_notice"]["restarts"] == 2
+
+
+@pytest.mark.slow
+def test_recovery_bench_in_ci_rolls_one_kill_back_to_its_last_checkpoint(tmp_path):
+    """The CI form of the bench test above: one kill without notice, measured end to end."""
+    out = subprocess.run([sys.executable, "-m", "bench.recovery", "--kills", "1", "--seed", "1", "--variants",
+                          "no_notice", "--keep", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                         timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [ln for ln in out.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1, out.stdout[-3000:]
+    fig = json.loads(lines[0])["figures"]
+    assert fig["kill_steps"] == kill_plan(1, 1)
+    (kill,) = fig["no_notice"]["kills"]
+    assert kill["target_step"] == fig["kill_steps"][0] and kill["failed_step"] >= kill["target_step"]
+    assert 0 <= kill["lost_steps"] <= CHECKPOINT_EVERY and kill["resumed_step"] % CHECKPOINT_EVERY == 0
+    assert kill["restart_overhead_s"] > 0 and fig["no_notice"]["restarts"] == 1
+

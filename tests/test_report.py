@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -319,30 +320,13 @@ def test_log_run_copies_params_metric_history_summary_and_report_into_mlflow(tmp
 
 # --- a real run -------------------------------------------------------------------------------
 
-def _smoke_supported() -> bool:
-    run_py = REPO / "app" / "run.py"
-    if not run_py.is_file():
-        return False
-    out = subprocess.run([sys.executable, str(run_py), "--help"], capture_output=True, text=True, cwd=REPO)
-    return out.returncode == 0 and "--smoke-test" in out.stdout and "--report" in out.stdout
-
-
-@pytest.mark.slow
-def test_report_renders_from_a_real_smoke_run(tmp_path: Path) -> None:
-    if not _smoke_supported():
-        pytest.skip("app/run.py --smoke-test/--report not available yet")
-    storage = tmp_path / "runs"
-    out = subprocess.run([sys.executable, "app/run.py", "--smoke-test", "--storage", str(storage),
-                          "--scaling.ray_address=local"],
-                         capture_output=True, text=True, cwd=REPO, timeout=900)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    runs = [p.parent for p in storage.rglob("metrics.jsonl")]
-    assert len(runs) == 1, runs
-    run = runs[0]
+def test_report_renders_from_a_real_smoke_run(finished_run: Path) -> None:
+    run = finished_run
     scalars = read_scalars(str(run / "tensorboard"))
     assert {"train/loss", "schedule/lr", "system/images_per_s"} <= set(scalars)
+    shutil.rmtree(run / "report", ignore_errors=True)  # the shared run may hold one from an earlier session
     out = subprocess.run([sys.executable, "app/run.py", "--report", str(run)], capture_output=True, text=True,
-                         cwd=REPO, timeout=300)
+                         cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     md = (run / "report" / "report.md").read_text()
     assert "## Summary" in md and (run / "report" / "schedule.png").is_file()

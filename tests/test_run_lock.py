@@ -16,6 +16,7 @@ import pytest
 from lightray import storage
 from lightray.driver.run_lock import LOCK_NAME, RunLock, RunLockedError, read_holder
 from tests.conftest import S3_ENV
+from tests.faults import wait_for
 
 ROOT = pathlib.Path(__file__).parents[1]
 
@@ -41,10 +42,10 @@ def test_a_live_driver_keeps_the_run_and_the_refusal_names_it(tmp_path):
             RunLock(str(tmp_path)).acquire()
         msg = str(err.value)
         assert f"pid {proc.pid}" in msg and f"host {socket.gethostname()}" in msg and "started " in msg
-        # The holder's heartbeat moves on while it lives.
+        # The holder's heartbeat (every 0.5 s) moves on while it lives.
         first = read_holder(str(tmp_path)).heartbeat
-        time.sleep(1.5)
-        assert read_holder(str(tmp_path)).heartbeat > first
+        wait_for(lambda: read_holder(str(tmp_path)).heartbeat > first, 60, "the holder's heartbeat to move on",
+                 interval=0.05)
     finally:
         proc.kill()
         proc.wait()
@@ -79,18 +80,20 @@ def test_another_hosts_lock_counts_while_its_heartbeat_is_fresh(tmp_path):
         assert read_holder(str(tmp_path)).host == socket.gethostname()
 
 
-def _race(args: tuple) -> str:
-    """One of several drivers taking the same run at the same instant: "held" or the refusal's message."""
-    run_dir, barrier = args
+def _race(run_dir: str, barrier, results, release) -> None:
+    """One of several drivers taking the same run at the same instant: puts (pid, "held" or the refusal's
+    message) on ``results``; a holder keeps the run until the test sets ``release``, then says "released"."""
     lock = RunLock(run_dir, heartbeat_s=60)
-    barrier.wait()
+    barrier.wait(timeout=60)
     try:
         lock.acquire()
     except RunLockedError as exc:
-        return str(exc)
-    time.sleep(1.0)  # hold it while the others look
+        results.put((os.getpid(), str(exc)))
+        return
+    results.put((os.getpid(), "held"))
+    release.wait(timeout=120)
     lock.release()
-    return "held"
+    results.put((os.getpid(), "released"))
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
@@ -101,11 +104,27 @@ def test_drivers_started_at_the_same_instant_leave_exactly_one_holder(where, tmp
     ctx = multiprocessing.get_context("fork")  # separate processes, as separate drivers are
     for round_ in range(3):
         run_dir = storage.join(base, f"race{round_}")
-        barrier = ctx.Manager().Barrier(5)
-        with ctx.Pool(5) as pool:
-            got = pool.map(_race, [(run_dir, barrier)] * 5)
-        assert got.count("held") == 1, got
-        assert all("already being run by another driver (host" in g for g in got if g != "held"), got
+        barrier, results, release = ctx.Barrier(5), ctx.Queue(), ctx.Event()
+        procs = [ctx.Process(target=_race, args=(run_dir, barrier, results, release)) for _ in range(5)]
+        for p in procs:
+            p.start()
+        try:
+            # Every contender answers while the holder still holds the run (it lets go only when told below), so
+            # a refusal cannot be a late look at a lock already released, nor a second holder a late taker.
+            got = dict(results.get(timeout=120) for _ in procs)
+            holders = [pid for pid, g in got.items() if g == "held"]
+            assert len(holders) == 1, got
+            refusal = f"already being run by another driver (host {socket.gethostname()}, pid {holders[0]},"
+            assert all(refusal in g for pid, g in got.items() if pid != holders[0]), got
+            assert read_holder(run_dir).pid == holders[0]
+            release.set()
+            assert results.get(timeout=60) == (holders[0], "released")
+        finally:
+            release.set()
+            for p in procs:
+                p.join(timeout=60)
+                if p.is_alive():
+                    p.kill()
         assert read_holder(run_dir) is None  # the holder released it
 
 
@@ -118,12 +137,12 @@ def test_a_heartbeat_that_finds_its_lock_taken_leaves_the_new_owners_lock_alone(
         now = time.time()
         storage.write_json(storage.join(base, LOCK_NAME), {"host": "another-node", "pid": 7, "start_time": now,
                                                            "heartbeat": now, "token": "theirs"})
-        time.sleep(1.0)
+        # The next heartbeat (every 0.2 s) finds the lock changed under it; one that wrote over it never would.
+        wait_for(lambda: lock.lost, 60, "the heartbeat to find its lock taken", interval=0.05)
         assert read_holder(base).token == "theirs"  # no heartbeat wrote over it
-        assert lock.lost
-        assert "no longer this driver's (host another-node, pid 7" in capsys.readouterr().out
     finally:
-        lock.release()
+        lock.release()  # joins the heartbeat thread, which said so before it ended
+    assert "no longer this driver's (host another-node, pid 7" in capsys.readouterr().out
     assert read_holder(base).token == "theirs"  # nor did the release remove it
 
 

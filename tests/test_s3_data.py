@@ -16,10 +16,8 @@ import time
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import ray
 
 from bench.pipeline import make_source
-from bench.prepare_scale import start_ray
 from lightray import storage
 from lightray.data import shard_cache
 from lightray.data.ingest import IngestSpec, PhaseSpec, phase_blocks, tier_shards, train_block_batch
@@ -27,7 +25,7 @@ from lightray.data.manifest import Manifest
 from lightray.data.prepare import prepare
 from lightray.data.source import detect_kind, list_imagefolder
 from lightray.data.sources_rows import ROW_BITS
-from tests.conftest import S3_ENV
+from tests.conftest import S3_ENV, start_session_ray
 from tests.test_sources import check_cache, make_parquet
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -77,12 +75,7 @@ def tree(s3_query, tmp_path_factory) -> tuple[pathlib.Path, str]:
 
 @pytest.fixture(scope="module")
 def cluster(s3_query):
-    if ray.is_initialized():
-        ray.shutdown()
-    start_ray(2)  # Ray gives its node a fixed 30 s to start: retried on a loaded machine
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    yield
-    ray.shutdown()
+    start_session_ray()
 
 
 def test_an_imagefolder_tree_on_s3_lists_like_the_same_tree_on_disk(tree):

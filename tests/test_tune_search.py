@@ -20,7 +20,7 @@ from bench.common import kill_processes, process_tree
 from lightray.config import load_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.own_cluster]
 
 TINY_FIXED = {
     "scaling.workers": "1",
