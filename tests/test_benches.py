@@ -108,7 +108,10 @@ def check_time_to_accuracy(res: dict) -> None:
     light = fig["lightray"]
     assert light["reached"]["0.5"] == [True] and light["best_top1"]["median"] >= 0.5, light["top1_per_epoch"]
     # The tuned baseline trains every epoch at the final resolution: measured here it learns more slowly per
-    # epoch (best 0.46 in 8 epochs, where lightray reached 0.84), so only "learned well above chance" is asked.
+    # epoch (best 0.46 in 8 epochs, where lightray reached 0.84; one quick run, commit c064229, the only figure
+    # on record), so only "learned well above chance" is asked. On 200 images a model that learned nothing
+    # scores 0.25 +- 0.03 an epoch, about 0.3 at best over 8: 0.4 is over 3 standard deviations above that, 1.7 below
+    # the 0.46 measured.
     assert fig["tuned_plain"]["best_top1"]["median"] >= 0.4, fig["tuned_plain"]["top1_per_epoch"]
     # The same recipe in plain PyTorch, progressive phases over the tree resized once per phase, learns as well.
     same = fig["plain_same_recipe"]
@@ -247,8 +250,11 @@ def test_time_to_accuracy_on_cifar10_runs_the_same_recipe_plain_and_names_the_ra
     fig, rat = res["figures"], res["ratios"]
     assert fig["dataset"] == "cifar10" and fig["train_images"] == 4000 and fig["val_images"] == 500
     assert fig["recipe"]["phases"] == [[24, 64, 0.6], [32, 64, 0.75]]  # scale 0.75 / 1.0 of the native 32 px
+    # Chance is 0.1: on 500 photos a model that learned nothing scores 0.10 +- 0.013 an epoch, so 0.25 is over 10
+    # standard deviations above it. What --quick reaches is not on record (docs/CIFAR10.md holds full runs only,
+    # 0.20-0.35 after their first epoch of 45,000 photos): the bar is not raised towards an unmeasured figure.
     for side in ("lightray", "plain_same_recipe", "plain_fixed_resolution"):
-        assert fig[side]["best_top1"]["median"] >= 0.25, (side, fig[side]["top1_per_epoch"])  # chance is 0.1
+        assert fig[side]["best_top1"]["median"] >= 0.25, (side, fig[side]["top1_per_epoch"])
     for name, side in (("vs_plain_same_recipe", "plain_same_recipe"), ("vs_plain_fixed_res", "plain_fixed_resolution")):
         for key in ("train_s", "wall_s"):
             r = rat[f"{name}_{key}"]["0.3"]

@@ -30,7 +30,8 @@ def _check_attempt(attempt: dict, meter: NodeMeter, span: tuple[float, float], n
     """The attempt bills every one of ``nodes`` for its whole metered time: from start() to the last sample, which
     stop() takes; so at least the span the test saw between them and at most start to end as the meter recorded.
     Bounds from the meter's own clock readings: a loaded machine cannot break them, a wrong bill does."""
-    assert attempt["id"] == meter.attempt["id"] and attempt["start"] <= span[0] <= span[1] <= attempt["end"]
+    assert attempt["id"] == meter.attempt["id"]
+    assert attempt["start"] <= span[0] and span[1] <= attempt["end"], (attempt, span)  # stop() took a last sample
     billed = attempt["node_seconds"]["local"]
     assert nodes * (attempt["end"] - span[0]) - 1e-6 <= billed <= nodes * (attempt["end"] - attempt["start"]) + 1e-6, \
         (attempt, span, nodes)

@@ -91,7 +91,7 @@ def _race(run_dir: str, barrier, results, release) -> None:
         results.put((os.getpid(), str(exc)))
         return
     results.put((os.getpid(), "held"))
-    release.wait(timeout=120)
+    release.wait(timeout=60)
     lock.release()
     results.put((os.getpid(), "released"))
 
@@ -111,7 +111,7 @@ def test_drivers_started_at_the_same_instant_leave_exactly_one_holder(where, tmp
         try:
             # Every contender answers while the holder still holds the run (it lets go only when told below), so
             # a refusal cannot be a late look at a lock already released, nor a second holder a late taker.
-            got = dict(results.get(timeout=120) for _ in procs)
+            got = dict(results.get(timeout=60) for _ in procs)
             holders = [pid for pid, g in got.items() if g == "held"]
             assert len(holders) == 1, got
             refusal = f"already being run by another driver (host {socket.gethostname()}, pid {holders[0]},"
@@ -122,7 +122,7 @@ def test_drivers_started_at_the_same_instant_leave_exactly_one_holder(where, tmp
         finally:
             release.set()
             for p in procs:
-                p.join(timeout=60)
+                p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
         assert read_holder(run_dir) is None  # the holder released it
