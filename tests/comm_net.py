@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import time
 
 import torch
 
@@ -33,7 +34,10 @@ def rank_pool(world: int) -> RankPool:
     """This session's ranks of a gloo group of ``world``: spawned and joined on first use, kept for every later
     test (torch's import and the group's start are most of a short distributed test's time on 2 cores)."""
     pool = _POOLS.get(world)
-    if pool is None or not pool.alive():
+    if pool is not None and (not pool.alive() or time.monotonic() - pool.last_used > IDLE_EXIT_S / 2):
+        pool.close()  # ended, or close enough to its idle exit to race a new task
+        pool = None
+    if pool is None:
         pool = _POOLS[world] = RankPool(world)
     return pool
 
@@ -51,6 +55,7 @@ class RankPool:
         import torch.multiprocessing as mp
 
         self.world, self.task_timeout_s = world, task_timeout_s
+        self.last_used = time.monotonic()
         self._store = tempfile.mkdtemp(prefix=f"lightray-ranks{world}-")
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
@@ -62,7 +67,7 @@ class RankPool:
             self._procs.append(proc)
 
     def alive(self) -> bool:
-        return all(p.is_alive() for p in self._procs)
+        return all(p.is_alive() for p in self._procs)  # False once a rank ended for idleness
 
     def run(self, worker, folder) -> list[dict]:
         for conn in self._conns:
@@ -72,9 +77,13 @@ class RankPool:
             if not conn.poll(self.task_timeout_s):
                 errors.append(f"rank {rank}: no answer within {self.task_timeout_s} s")
                 break
-            answer = conn.recv()
+            try:
+                answer = conn.recv()
+            except EOFError:
+                answer = "the rank's process ended"
             if answer != "ok":
                 errors.append(f"rank {rank}:\n{answer}")
+        self.last_used = time.monotonic()
         if errors:
             self.close()
             raise AssertionError(f"{worker.__qualname__} failed on the rank pool:\n" + "\n".join(errors))
@@ -101,6 +110,10 @@ def _serve(rank: int, world: int, store: str, conn) -> None:
                             timeout=timedelta(seconds=60))
     torch.set_num_threads(1)
     while True:
+        # An idle group still costs CPU (a few seconds a minute a rank): one left unused for a while ends, and
+        # rank_pool() starts a new one for a later user.
+        if not conn.poll(IDLE_EXIT_S):
+            os._exit(0)
         try:
             worker, folder = conn.recv()
         except EOFError:  # the test session ended
@@ -119,6 +132,7 @@ def _serve(rank: int, world: int, store: str, conn) -> None:
 
 
 _POOLS: dict[int, RankPool] = {}
+IDLE_EXIT_S = 60.0
 
 
 @atexit.register
