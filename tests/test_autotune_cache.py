@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import psutil
+import pytest
 import ray
 
 from bench.pipeline import make_source
@@ -26,6 +27,7 @@ def _spec(tmp_path):
     return spec
 
 
+@pytest.mark.slow  # two calibrations on Ray
 def test_second_start_reuses_the_calibration_of_the_same_data_on_this_machine(tmp_path, ray_local):
     spec = _spec(tmp_path)
     first = autotune.apply(spec, seconds=1.0, train_cpus=1.0)

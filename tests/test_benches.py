@@ -265,6 +265,7 @@ def test_time_to_accuracy_on_cifar10_runs_the_same_recipe_plain_and_names_the_ra
             assert r["median"] == pytest.approx(want, rel=0.02)
 
 
+@pytest.mark.slow  # the bench end to end
 def test_ray_data_gap_bench_times_ray_data_and_plain_tasks_against_the_ideal():
     out = subprocess.run([sys.executable, "-m", "bench.ray_data_gap", "--quick"], cwd=REPO, capture_output=True,
                          text=True, timeout=300)

@@ -55,6 +55,7 @@ def test_node_types_without_a_price_are_billed_at_the_configured_type():
     assert _priced(cfg, None) is None
 
 
+@pytest.mark.slow  # a three-node cluster of its own
 @pytest.mark.own_cluster
 def test_two_runs_on_one_cluster_are_not_billed_for_each_other(tmp_path):
     """Two drivers (two Ray jobs) on one cluster of a head and two worker nodes, each holding one worker node

@@ -11,6 +11,8 @@ import pytest
 from lightray.config import ConfigError, load_config
 from lightray.train.state import list_checkpoints
 
+pytestmark = pytest.mark.slow  # three real runs in this process
+
 
 def _validations(run_dir: pathlib.Path) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -8,11 +8,14 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SIZE_KEYS = {"files", "prepare_s", "s_per_1k_files", "images_per_s", "driver_peak_rss_mb", "driver_rss_growth_mb",
              "driver_peak_pss_mb", "manifest_bytes", "shard_files"}
 
 
+@pytest.mark.slow  # the bench end to end
 def test_prepare_scale_reports_each_size_and_the_ratios(tmp_path):
     out = subprocess.run([sys.executable, "-m", "bench.prepare_scale", "--sizes", "120,360", "--classes", "6",
                           "--cpus", "2", "--workdir", str(tmp_path)],

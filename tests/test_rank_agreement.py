@@ -148,6 +148,7 @@ def test_timed_checkpoints_are_taken_at_one_step_by_every_rank_when_one_rank_run
             f"{name} holds ranks {steps} (rank: step): not every rank's file at one step"
 
 
+@pytest.mark.slow  # three ranks train
 @pytest.mark.timeout(300)
 def test_a_drain_notice_seen_by_one_rank_checkpoints_every_rank_at_one_step(tmp_path):
     roles = {"2": {"notice_from_step": 6}}
