@@ -75,6 +75,7 @@ def test_a_notice_and_a_lost_node_in_one_run_lose_no_noticed_work_and_carry_each
         # A checkpoint after the restart and some steps past it, so that the loss rolls work back.
         wait_for(lambda: max(_checkpoint_samples(run)) > resumed and last_samples(run) > max(_checkpoint_samples(run)),
                  300, "a checkpoint after the restart and a step past it", proc)
+        before_loss = len(events(run, "restart"))  # the notice's restart(s)
         nodes.remove_worker()  # a Train worker's machine gone, no notice
         lost_at = last_samples(run)
         nodes.add_worker()  # the autoscaler's replacement
@@ -85,7 +86,7 @@ def test_a_notice_and_a_lost_node_in_one_run_lose_no_noticed_work_and_carry_each
     summary = _summary(run)
     assert summary["status"] == "finished", out[-3000:]
     restarts = events(run, "restart")
-    assert len(restarts) >= 2 and summary["restarts"] >= 2
+    assert len(restarts) > before_loss >= 1 and summary["restarts"] >= 2
     # The notice: its own checkpoint, resumed from with nothing lost.
     (notice,) = events(run, "preemption_checkpoint")
     saved = notice["samples_seen"]
@@ -94,10 +95,10 @@ def test_a_notice_and_a_lost_node_in_one_run_lose_no_noticed_work_and_carry_each
     meta = json.loads((run / f"checkpoint_{saved:012d}" / "meta_rank0.json").read_text())
     assert (meta["reason"], meta["samples_seen"], meta["world_size"]) == ("preemption", saved, 2)
     assert summary["preemption_checkpoints"] == 1
-    first, second = summary["lost_work"][0], summary["lost_work"][1]
+    first, second = summary["lost_work"][0], summary["lost_work"][before_loss]
     assert first["resumed_at"] == saved and first["lost_samples"] == 0, summary["lost_work"]
     # The loss: resumed from a checkpoint written before it (checked by name: they are all kept).
-    lost = restarts[1]
+    lost = restarts[before_loss]
     assert lost["checkpoint"].endswith(f"checkpoint_{lost['samples_seen']:012d}")
     assert saved < lost["samples_seen"] <= lost_at
     assert second["resumed_at"] == lost["samples_seen"]
