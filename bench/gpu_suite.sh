@@ -40,7 +40,8 @@ if [ "$DRY" = 1 ]; then
   TPUT_ARGS=(--cpu-dry-run --arch resnet_tiny --variants plain,plain_bf16,lightray)
   TPUT128=("${TPUT_ARGS[@]}"); TPUT224=("${TPUT_ARGS[@]}")
   E2E_ARGS=(--dry-run)  # all three tiny phases: the dry run checks the per-phase figures the GPU run's one phase gives
-  PIPE_ARGS=(--cpu-dry-run)
+  # The sizes of tests/test_pipeline_bench.py's checks, which read this step's log: one bench run for both.
+  PIPE_ARGS=(--cpu-dry-run --images 48 --sizes 32 --workers 2 --epochs 2)
   COMM_ARGS=(--overhead-only --device cpu --overhead-batch 1 --overhead-reps 1)
   RESUME_ARGS=(--dry-run)
 else

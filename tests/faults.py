@@ -153,6 +153,15 @@ def final_state(run_dir: pathlib.Path) -> dict:
     return torch.load(last / "state_rank0.pt", map_location="cpu", weights_only=True)
 
 
+def assert_same_model(a: dict, b: dict) -> None:
+    """Two model state dicts hold the same parameters and buffers (to float tolerance)."""
+    import torch
+
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-5), k
+
+
 # --- multi-node clusters on this machine: node loss, elastic resize, preemption notice ---------------------------
 def train_records(run_dir: pathlib.Path) -> list[dict]:
     """Training metrics lines (no events, no end-of-epoch validation lines)."""

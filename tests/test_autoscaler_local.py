@@ -113,67 +113,19 @@ def _run_with_spot_loss(fc, job_id: str, entrypoint: list[str], ready: Callable[
 
 
 @pytest.mark.slow
-def test_autoscaler_adds_workers_and_a_training_job_survives_a_spot_loss():
-    storage = pathlib.Path(tempfile.mkdtemp(prefix="lrfcst", dir="/tmp"))
-    run_dir = storage / "spot-job"
-
-    def events() -> list[dict]:
-        path = run_dir / "events.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-    def ready() -> bool:
-        # Both workers started and a checkpoint committed: a loss now must resume, not start over.
-        return len(events()) >= 2 and committed_checkpoint(run_dir)
-
-    def rank1_node(workers: list[dict]) -> dict:
-        node_id = next(e["node_id"] for e in events() if e["rank"] == 1)
-        return next(n for n in workers if n["nodeId"] == node_id)
-
-    with fake_cluster.FakeCluster() as fc:
-        # The head advertises no CPU and no GPU: without the autoscaler nothing of the job could run.
-        assert fc.alive_workers() == []
-        # Token auth is on: the job API refuses a caller without the token.
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            fc.get("/api/jobs/", token=False)
-        assert refused.value.code in (401, 403)
-        seen = _run_with_spot_loss(
-            fc, "spot-job", ["python", "tests/cluster/spot_job.py", "--storage", str(storage), "--steps", "14"],
-            ready, rank1_node)
-        temp_dir = fc.temp_dir
-    try:
-        assert seen["status"] == "SUCCEEDED", seen["logs"]
-        assert seen["killed"] is not None, "the job ended before a worker machine could be killed"
-        assert seen["max_workers"] >= 2  # launched by the autoscaler, one per training worker
-        evs = events()
-        first, later = evs[:2], evs[2:]
-        assert {e["step"] for e in first} == {0}
-        # The worker group came back on machines that are alive, from a checkpoint, not from step 0.
-        assert len(later) >= 2 and all(e["step"] > 0 for e in later), evs
-        assert seen["killed"] not in {e["node_id"] for e in later}
-        assert {e["price_key"] for e in evs} <= {"g5.48xlarge-spot", "g5.48xlarge"}  # node labels from the file
-        result = json.loads((run_dir / "result.json").read_text())
-        assert result["step"] == 14 and result["world"] == 2
-        # The cost meter went through the checkpoint: machine time from before the loss is still counted.
-        assert result["cost"]["node_hours"] > 0 and result["cost"]["usd"] > 0
-        assert set(result["cost"]["prices"]) <= {"g5.48xlarge-spot", "g5.48xlarge"}
-        # Stopped by pid: nothing of this cluster is left running.
-        assert not [cmd for _, cmd in fake_cluster.process_table().values() if temp_dir in cmd]
-    finally:
-        import shutil
-
-        shutil.rmtree(storage, ignore_errors=True)
-
-
-@pytest.mark.slow
-def test_smoke_run_survives_a_spot_loss_on_the_autoscaling_cluster():
+def test_autoscaler_launches_workers_and_a_smoke_run_survives_a_spot_loss_billed_by_node_label():
+    """The documented path end to end: `ray job submit` of `app/run.py --smoke-test` to a cluster whose head has
+    no CPU, the autoscaler launching a worker machine per training worker, one of them lost (SIGKILL, no drain)
+    after a checkpoint, and the run finished from that checkpoint, its bill kept by the machines' labels."""
     storage = pathlib.Path(tempfile.mkdtemp(prefix="lrfcst", dir="/tmp"))
     run_dir = storage / "smoke"
 
     def ready() -> bool:
+        # A checkpoint committed: a loss now must resume, not start over.
         return committed_checkpoint(run_dir)
 
     def any_worker(workers: list[dict]) -> dict:
-        return workers[-1]
+        return workers[-1]  # 1.5 CPUs a training worker on 2-CPU machines: every worker machine holds one
 
     entry = ["python", "app/run.py", "--smoke-test", "--storage", str(storage), "--name", "smoke",
              # One training worker per fake machine (2 logical CPUs each), half a CPU left for Ray Data.
@@ -181,13 +133,33 @@ def test_smoke_run_survives_a_spot_loss_on_the_autoscaling_cluster():
              f"--data.local_cache_dir={storage}/local-cache"]
     try:
         with fake_cluster.FakeCluster() as fc:
+            # The head advertises no CPU and no GPU: without the autoscaler nothing of the job could run.
+            assert fc.alive_workers() == []
+            # Token auth is on: the job API refuses a caller without the token.
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                fc.get("/api/jobs/", token=False)
+            assert refused.value.code in (401, 403)
             seen = _run_with_spot_loss(fc, "smoke", entry, ready, any_worker)
+            temp_dir = fc.temp_dir
         assert seen["status"] == "SUCCEEDED", seen["logs"]
         assert seen["killed"] is not None, "the smoke run ended before a worker machine could be killed"
-        assert seen["max_workers"] >= 2
+        assert seen["max_workers"] >= 2  # launched by the autoscaler, one per training worker
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["restarts"] >= 1
         assert summary["epochs"] == summary["epochs_planned"]
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        starts = [r for r in records if r.get("event") in ("start", "restart")]
+        assert starts[0]["samples_seen"] == 0
+        # The worker group came back from a checkpoint, not from step 0.
+        assert all(r["samples_seen"] > 0 for r in starts[1:]), starts
+        # The bill went through the loss, the worker machines priced by their labels. The head, which holds the
+        # driver and carries no label, is billed at the run's default key ("local").
+        cost = summary["cost"]
+        assert cost["node_hours"] > 0 and cost["usd"] > 0
+        assert "g5.48xlarge-spot" in cost["prices"], cost
+        assert set(cost["prices"]) <= {"g5.48xlarge-spot", "g5.48xlarge", "local"}, cost
+        # Stopped by pid: nothing of this cluster is left running.
+        assert not [cmd for _, cmd in fake_cluster.process_table().values() if temp_dir in cmd]
     finally:
         import shutil
 

@@ -13,6 +13,7 @@ import pytest
 
 from bench.gpu_e2e import GOAL
 from bench.gpu_suite_summary import key_figures, last_json, status
+from tests.test_pipeline_bench import check_pipeline
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = ("env", "tput128", "tput224", "e2e", "pipeline", "comm", "resume", "sync")
@@ -54,6 +55,10 @@ def test_gpu_suite_dry_run_names_every_step_and_prints_the_json_line(tmp_path):
     assert res["figures"]["sync"]["status"] == "skipped (no CUDA)"
     assert res["figures"]["comm"]["figures"]["compression_cost_measured_on"] == "cpu"
     assert res["figures"]["tput224"]["figures"]["plain_bf16_img_s"] > 0
+    # The pipeline step is bench.pipeline's one end-to-end run in CI: its whole JSON line is checked here.
+    pipeline_log = (tmp_path / "logs" / "pipeline.log").read_text()
+    assert sum(ln.startswith('{"bench"') for ln in pipeline_log.splitlines()) == 1, pipeline_log[-3000:]
+    check_pipeline(last_json(pipeline_log))
     # The e2e step drove the real app/run.py through its three tiny phases (tests/test_gpu_e2e.py checks
     # the same script's parts; this is its end-to-end dry run).
     e2e = res["figures"]["e2e"]

@@ -44,10 +44,13 @@ def test_wheel_in_a_fresh_venv_trains_and_searches_from_another_folder(tmp_path,
     _run([str(bindir / "lightray"), "train", "--smoke-test", "--name", "cli", *common], work, 600, env)
     summary = json.loads((runs / "cli" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["final_top1"] is not None
-    _run([str(bindir / "lightray"), "tune", "--space", "demo", "--trials", "2", "--smoke-test", "--name", "search",
+    # One trial: what is checked is that the installed package finds its search space and Tune runs a trial
+    # through it (tests/test_tune_search.py checks the search itself).
+    _run([str(bindir / "lightray"), "tune", "--space", "demo", "--trials", "1", "--smoke-test", "--name", "search",
           *common], work, 600, env)
     trials = [p for p in (runs / "search").rglob("summary.json")]
-    assert len(trials) >= 2, trials
+    assert len(trials) == 1, trials
+    assert (runs / "search" / "best_recipe.yaml").is_file()
     # The Python API: continue the finished run (nothing left to train) and load its exported model.
     api = ("import json, lightray; "
            f"r = lightray.train('smoke', resume=True, name='cli', storage={str(runs)!r}, "

@@ -1,12 +1,10 @@
-"""A correctness run of ``python -m bench.pipeline`` at tiny size: one JSON line, every variant measured,
-ratios consistent with the figures (speed itself is the bench's business, not a test's)."""
+"""What a correctness run of ``python -m bench.pipeline`` at tiny size must show: one JSON line, every variant
+measured, ratios consistent with the figures (speed itself is the bench's business, not a test's). The run is the
+GPU suite dry run's pipeline step (tests/test_gpu_suite.py)."""
 
 from __future__ import annotations
 
-import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
 from PIL import Image
@@ -16,19 +14,10 @@ from bench.pipeline import make_source, resize_copy
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_pipeline_bench_prints_one_json_line_with_every_variant_and_both_dataloader_baselines():
-    out = subprocess.run([sys.executable, "-m", "bench.pipeline", "--quick", "--images", "48", "--sizes", "32",
-                          "--workers", "2", "--epochs", "2"], cwd=REPO, capture_output=True, text=True, timeout=280)
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = [ln for ln in out.stdout.splitlines() if ln.strip()]
-    assert len(lines) == 1, out.stdout
-    check_pipeline(json.loads(lines[0]))
-
-
 def check_pipeline(res: dict) -> None:
-    """What a quick run at 32 px must show (also usable on a line saved from a run by hand)."""
+    """What a quick run at 32 px must show: read from the GPU suite's dry run, whose pipeline step runs
+    ``bench.pipeline --quick --images 48 --sizes 32 --workers 2 --epochs 2`` (tests/test_gpu_suite.py); also usable
+    on a line saved from a run by hand."""
     assert res["bench"] == "pipeline" and set(res) == {"bench", "figures", "ratios", "machine"}
     fig, rat = res["figures"], res["ratios"]
     for v in ("dataloader_original", "dataloader_resized", "cold", "shard", "object"):

@@ -1,17 +1,16 @@
-"""Resume as exact continuation: stop (or kill), resume, compare with an uninterrupted run (the session's
-finished run, tests/finished_run.py, made with the same options)."""
+"""Resume as exact continuation after a killed driver: kill, resume, compare with an uninterrupted run (the session's
+finished run, tests/finished_run.py, made with the same options). The graceful stop and resume is checked on S3
+(tests/test_s3_runs.py), against the same reference."""
 
 import json
 import shutil
 
 import pytest
-import torch
 
-from tests.faults import checkpoints, driver, final_state, finish, kill_group, records, wait_for
+from tests.faults import assert_same_model, checkpoints, driver, final_state, finish, kill_group, records, wait_for
 from tests.finished_run import finished_run_args
 
 pytestmark = pytest.mark.slow
-STOP = 6  # of 12 smoke steps: mid-way through epoch 1
 
 
 @pytest.fixture(scope="module")
@@ -28,24 +27,6 @@ def start(uninterrupted):
         return driver(storage, name, *finished_run_args(shared), *args, cache=cache)
 
     return start_driver
-
-
-def assert_same_model(a, b):
-    sa, sb = final_state(a)["model"], final_state(b)["model"]
-    assert sa.keys() == sb.keys()
-    for k in sa:
-        assert torch.allclose(sa[k].float(), sb[k].float(), rtol=1e-4, atol=1e-5), k
-
-
-def test_stop_and_resume_gives_the_uninterrupted_parameters(uninterrupted, start, tmp_path, shared_cache):
-    finish(start(tmp_path, "split", f"--checkpoint.stop_after_steps={STOP}", cache=shared_cache))
-    run = tmp_path / "split"
-    assert json.loads((run / "summary.json").read_text())["samples_seen"] == 4 * 64 + 2 * 32
-    finish(start(tmp_path, "split", "--resume", cache=shared_cache))
-    assert final_state(run)["counters"]["samples_seen"] == final_state(uninterrupted)["counters"]["samples_seen"]
-    assert_same_model(run, uninterrupted)
-    starts = [r for r in records(run) if r.get("event") in ("start", "restart")]
-    assert starts[-1]["samples_seen"] == 4 * 64 + 2 * 32  # the second start picked up at the stop
 
 
 def _samples(checkpoint) -> int:
@@ -74,5 +55,6 @@ def test_killed_driver_is_finished_by_resume_past_a_corrupt_newest_checkpoint(un
     restart = [r for r in records(run) if r.get("event") == "restart"][-1]
     assert restart["samples_seen"] == _samples(fallback) >= 4 * 64  # a checkpoint the killed run wrote
     assert any(newest.name in s for s in restart["skipped_checkpoints"]), restart["skipped_checkpoints"]
-    assert_same_model(run, uninterrupted)  # replaying from the older checkpoint lands on the same model
+    # Replaying from the older checkpoint lands on the same model.
+    assert_same_model(final_state(run)["model"], final_state(uninterrupted)["model"])
     shutil.rmtree(run / "sample_log", ignore_errors=True)

@@ -15,7 +15,6 @@ import pytest
 
 from lightray import storage
 from lightray.driver.run_lock import LOCK_NAME, RunLock, RunLockedError, read_holder
-from tests.conftest import S3_ENV
 from tests.faults import wait_for
 
 ROOT = pathlib.Path(__file__).parents[1]
@@ -146,33 +145,5 @@ def test_a_heartbeat_that_finds_its_lock_taken_leaves_the_new_owners_lock_alone(
     assert read_holder(base).token == "theirs"  # nor did the release remove it
 
 
-def _smoke_cmd(storage_dir, name, shared_cache, *extra) -> list[str]:
-    return [sys.executable, "app/run.py", "--smoke-test", "--storage", str(storage_dir), "--name", name,
-            "--scaling.ray_address=local", f"--data.cache_dir={shared_cache}",
-            f"--data.local_cache_dir={shared_cache / 'local'}", *extra]
-
-
-@pytest.mark.slow
-def test_of_two_drivers_started_at_the_same_instant_on_s3_one_trains_and_the_other_exits_2(s3_storage, shared_cache):
-    """Two real drivers of one run on the local S3 server, started together: the conditional create lets exactly
-    one hold the run; the other exits 2 naming the holder (host and pid), and the holder trains to the end."""
-    env = {**os.environ, **S3_ENV}
-    procs = [subprocess.Popen(_smoke_cmd(s3_storage, "same", shared_cache), cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
-    try:
-        outs = [p.communicate(timeout=900) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    codes = sorted(p.returncode for p in procs)
-    assert codes == [0, 2], [(p.returncode, err[-2000:]) for p, (_, err) in zip(procs, outs)]
-    (winner,) = [p for p in procs if p.returncode == 0]
-    (_, refused), = [o for p, o in zip(procs, outs) if p.returncode == 2]
-    line = refused.strip().splitlines()[-1]
-    assert line.startswith("lightray: error:") and "already being run by another driver" in line, line
-    assert f"pid {winner.pid}" in line and f"host {socket.gethostname()}" in line, line
-    run_dir = storage.join(s3_storage, "same")
-    assert storage.read_json(storage.join(run_dir, "summary.json"))["status"] == "finished"
-    assert not storage.exists(storage.join(run_dir, LOCK_NAME))  # released on the way out
+# Two real drivers of one run started at the same instant on S3, one refused by the lock's conditional create:
+# tests/test_s3_runs.py, in its stop-and-resume run.

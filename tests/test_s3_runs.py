@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
 import pytest
 
 from lightray import storage
+from lightray.driver.run_lock import LOCK_NAME
 from lightray.train.state import list_checkpoints, validate_checkpoint
 from tests.conftest import S3_ENV
-from tests.faults import ROOT, driver, finish
+from tests.faults import ROOT, assert_same_model, driver, final_state, finish, kill_group
+from tests.finished_run import finished_run_args
 
 
 def test_join_keeps_the_query_string_of_a_uri_at_its_end():
@@ -58,33 +61,74 @@ def test_resume_without_a_name_finds_the_newest_run_in_a_folder_as_on_s3(tmp_pat
     assert cfg.name == "newer"
 
 
+STOP = 6  # of the finished run's 12 steps: mid-way through epoch 1, after its 4 steps of 64 and 2 of 32
+AT_STOP = 4 * 64 + 2 * 32
+
+
+def _final_state_on_s3(run_dir: str) -> dict:
+    import io
+
+    import torch
+
+    (_, last), *_ = list_checkpoints(run_dir)  # newest first
+    data = storage.read_bytes(storage.join(last, "state_rank0.pt"))
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
 @pytest.mark.slow
-def test_a_run_on_s3_stops_and_resumes_from_its_s3_checkpoints(s3_storage, shared_cache, tmp_path):
-    """Each driver runs on "another machine" (its own home, so its own local mirror of the run's logs): the
-    run's records live in the bucket, the resumed run appends to their whole history there, and the report
-    is rendered from the bucket."""
+def test_a_run_on_s3_stopped_and_resumed_on_another_machine_ends_on_the_uninterrupted_parameters(
+        s3_storage, finished_run, shared_cache, tmp_path):
+    """Two drivers started at once, one refused by the lock; stop mid-epoch, resume: the exact continuation of
+    the uninterrupted run (the session's finished run, whose options the drivers take), with every file of the run
+    in the bucket. Each stage runs on "another machine" (its own home, so its own local mirror of the run's logs):
+    the resumed run appends to the records' whole history in the bucket, and the report is rendered from it."""
     name = f"s3resume-{os.getpid()}"
+    args = finished_run_args(finished_run.parent.parent)
     env = {**S3_ENV, "HOME": str(tmp_path / "first-machine")}
-    finish(driver(s3_storage, name, "--checkpoint.stop_after_steps=3", cache=shared_cache, env=env))
+    # Two drivers of the run started at the same instant: the lock's conditional create on S3 lets exactly one
+    # hold it; the other exits 2 naming the holder (host and pid), and the holder trains on.
+    procs = [driver(s3_storage, name, *args, f"--checkpoint.stop_after_steps={STOP}", cache=shared_cache, env=env)
+             for _ in range(2)]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_group(p)
+    assert sorted(p.returncode for p in procs) == [0, 2], [(p.returncode, o[-2000:]) for p, o in zip(procs, outs)]
+    (winner,) = [p for p in procs if p.returncode == 0]
+    (refused,) = [o for p, o in zip(procs, outs) if p.returncode == 2]
+    line = refused.strip().splitlines()[-1]
+    assert line.startswith("lightray: error:") and "already being run by another driver" in line, line
+    assert f"pid {winner.pid}" in line and f"host {socket.gethostname()}" in line, line
     run_dir = storage.join(s3_storage, name)
+    assert not storage.exists(storage.join(run_dir, LOCK_NAME))  # released on the way out
     saved = list_checkpoints(run_dir)
-    assert [s for s, _ in saved] == [3 * 64], saved  # the stop checkpoint, on S3
-    assert validate_checkpoint(saved[0][1])["samples_seen"] == 3 * 64
-    assert storage.read_json(storage.join(run_dir, "summary.json"))["status"] == "finished"
+    assert [s for s, _ in saved] == [AT_STOP, 4 * 64], saved  # the stop's and epoch 0's checkpoints, on S3
+    assert validate_checkpoint(saved[0][1])["samples_seen"] == AT_STOP
+    first_summary = storage.read_json(storage.join(run_dir, "summary.json"))
+    assert first_summary["status"] == "finished" and first_summary["samples_seen"] == AT_STOP
     first = storage.read_jsonl(storage.join(run_dir, "metrics.jsonl"))  # the records, in the bucket
-    assert max(r.get("samples_seen", 0) for r in first) == 3 * 64
+    assert max(r.get("samples_seen", 0) for r in first) == AT_STOP
     assert storage.list_dir(storage.join(run_dir, "tensorboard"))  # TensorBoard events too
 
     env["HOME"] = str(tmp_path / "second-machine")  # an empty mirror: the history comes from the bucket
-    out = finish(driver(s3_storage, name, "--resume", cache=shared_cache, env=env))
+    out = finish(driver(s3_storage, name, *args, "--resume", cache=shared_cache, env=env))
     summary = json.loads(storage.read_bytes(storage.join(run_dir, "summary.json")))
     assert summary["status"] == "finished" and summary["epochs"] == 2, out[-3000:]
     assert summary["samples_seen"] == 512
     resume = storage.read_json(storage.join(run_dir, "resume.json"))
-    assert resume["samples_seen"] == 3 * 64 and resume["checkpoint"].startswith("s3://")  # resumed from S3
-    assert not storage.exists(storage.join(run_dir, "driver.lock"))  # released on the way out
+    assert resume["samples_seen"] == AT_STOP and resume["checkpoint"].startswith("s3://")  # resumed from S3
+    assert not storage.exists(storage.join(run_dir, LOCK_NAME))  # released again
     records = storage.read_jsonl(storage.join(run_dir, "metrics.jsonl"))
     assert records[:len(first)] == first and max(r.get("samples_seen", 0) for r in records) == 512
+    starts = [r for r in records if r.get("event") in ("start", "restart")]
+    assert starts[-1]["samples_seen"] == AT_STOP  # the second start picked up at the stop
+
+    # The exact continuation: the uninterrupted run's counters and parameters.
+    state, reference = _final_state_on_s3(run_dir), final_state(finished_run)
+    assert state["counters"]["samples_seen"] == reference["counters"]["samples_seen"] == 512
+    assert_same_model(state["model"], reference["model"])
 
     report = subprocess.run([sys.executable, "app/run.py", "--report", run_dir], cwd=ROOT, capture_output=True,
                             text=True, env={**os.environ, **env}, timeout=300)

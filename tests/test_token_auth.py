@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
@@ -127,12 +128,22 @@ def test_a_client_without_the_token_cannot_submit_a_job(token_cluster, tmp_path,
     assert "SUBMITTED" not in out.stdout
 
 
-@pytest.mark.parametrize("mode,token", [(None, None), ("disabled", None), ("token", "wrong-token")],
-                         ids=["no-auth-client", "auth-disabled-client", "wrong-token"])
-def test_a_client_without_the_token_cannot_attach_a_driver(token_cluster, tmp_path, mode, token):
+REFUSED_ATTACH = {"no-auth-client": (None, None), "auth-disabled-client": ("disabled", None),
+                  "wrong-token": ("token", "wrong-token")}
+
+
+def test_a_client_without_the_token_cannot_attach_a_driver(token_cluster, tmp_path):
+    """Each client kind at once, in processes of their own: a refused ``ray.init`` waits out its connection
+    retries (about 20 s here), which need no CPU, so three in parallel take the time of one."""
     address, _, _ = token_cluster
-    out = _client(ATTACH.format(address=address), tmp_path, mode=mode, token=token)
-    assert out.returncode != 0 and "ATTACHED" not in out.stdout, out.stdout + out.stderr[-2000:]
+    for kind in REFUSED_ATTACH:
+        (tmp_path / kind).mkdir()  # a home of its own, empty: no token file in reach
+    with ThreadPoolExecutor(len(REFUSED_ATTACH)) as pool:
+        outs = dict(zip(REFUSED_ATTACH, pool.map(
+            lambda kind: _client(ATTACH.format(address=address), tmp_path / kind, mode=REFUSED_ATTACH[kind][0],
+                                 token=REFUSED_ATTACH[kind][1]), REFUSED_ATTACH)))
+    for kind, out in outs.items():
+        assert out.returncode != 0 and "ATTACHED" not in out.stdout, (kind, out.stdout + out.stderr[-2000:])
 
 
 def test_a_client_with_the_token_submits_and_attaches(token_cluster, tmp_path):
