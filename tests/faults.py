@@ -146,11 +146,12 @@ def planned_samples(run_dir: pathlib.Path) -> dict[int, list[int]]:
     return out
 
 
-def final_state(run_dir: pathlib.Path) -> dict:
-    import torch
+def final_state(run_dir: pathlib.Path | str) -> dict:
+    """Rank 0's state in the run's newest checkpoint: a local folder or a storage URI (s3://...)."""
+    from lightray.train.state import list_checkpoints, load_rank_state
 
-    last = checkpoints(run_dir)[-1]
-    return torch.load(last / "state_rank0.pt", map_location="cpu", weights_only=True)
+    (_, newest), *_ = list_checkpoints(str(run_dir))  # newest first
+    return load_rank_state(newest, 0)
 
 
 def assert_same_model(a: dict, b: dict) -> None:

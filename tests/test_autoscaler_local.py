@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from tests.faults import records
+
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent
 EXCLUDES = [".git", "**/__pycache__", ".pytest_cache", ".ruff_cache", "runs", "lightray_runs", "data_cache",
@@ -147,8 +149,7 @@ def test_autoscaler_launches_workers_and_a_smoke_run_survives_a_spot_loss_billed
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["restarts"] >= 1
         assert summary["epochs"] == summary["epochs_planned"]
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        starts = [r for r in records if r.get("event") in ("start", "restart")]
+        starts = [r for r in records(run_dir) if r.get("event") in ("start", "restart")]
         assert starts[0]["samples_seen"] == 0
         # The worker group came back from a checkpoint, not from step 0.
         assert all(r["samples_seen"] > 0 for r in starts[1:]), starts

@@ -65,16 +65,6 @@ STOP = 6  # of the finished run's 12 steps: mid-way through epoch 1, after its 4
 AT_STOP = 4 * 64 + 2 * 32
 
 
-def _final_state_on_s3(run_dir: str) -> dict:
-    import io
-
-    import torch
-
-    (_, last), *_ = list_checkpoints(run_dir)  # newest first
-    data = storage.read_bytes(storage.join(last, "state_rank0.pt"))
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-
-
 @pytest.mark.slow
 def test_a_run_on_s3_stopped_and_resumed_on_another_machine_ends_on_the_uninterrupted_parameters(
         s3_storage, finished_run, shared_cache, tmp_path):
@@ -126,7 +116,7 @@ def test_a_run_on_s3_stopped_and_resumed_on_another_machine_ends_on_the_uninterr
     assert starts[-1]["samples_seen"] == AT_STOP  # the second start picked up at the stop
 
     # The exact continuation: the uninterrupted run's counters and parameters.
-    state, reference = _final_state_on_s3(run_dir), final_state(finished_run)
+    state, reference = final_state(run_dir), final_state(finished_run)
     assert state["counters"]["samples_seen"] == reference["counters"]["samples_seen"] == 512
     assert_same_model(state["model"], reference["model"])
 
