@@ -57,12 +57,25 @@ def start_session_ray():
 
 
 @pytest.fixture(autouse=True)
-def _short_train_controller_period(request, monkeypatch):
+def _no_stale_cluster_address():
+    """A test cluster killed without ``ray stop`` (or one from an earlier CI run) leaves this host's "current
+    cluster" file naming a dead address; Ray's State API then waits out its retries in every Ray Train run's
+    placement-group cleaner, about 12 s at each run's end (lightray.ray_private). Checked around every test, as
+    the drivers lightray starts check it themselves."""
+    from lightray.ray_private import drop_stale_cluster_address
+
+    drop_stale_cluster_address()
+    yield
+    drop_stale_cluster_address()
+
+
+@pytest.fixture(autouse=True)
+def _short_train_controller_period(monkeypatch):
     """Ray Train's controller collects reports and worker-group state on a period (2 s by default), and every
-    run of the default suite is short: at 0.5 s a smoke run ends about 6 s sooner (41-44 s -> 36-38 s,
-    measured here on tests/test_native_size.py's demo run). Runs a test starts inherit it. The slow tests
-    (fault injection, benches) keep Ray's default, the timing their faults were tuned on."""
-    if request.node.get_closest_marker("slow") is None and "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S" not in os.environ:
+    run of the suite is short: at 0.5 s a smoke run ends about 6 s sooner (41-44 s -> 36-38 s, measured here
+    on tests/test_native_size.py's demo run), and a failed worker group is seen sooner. Runs a test starts
+    inherit it."""
+    if "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S" not in os.environ:
         monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 

@@ -53,9 +53,43 @@ def finished_run(shared: pathlib.Path, shared_cache: pathlib.Path) -> pathlib.Pa
             return run_dir
     shutil.rmtree(run_dir, ignore_errors=True)  # an earlier attempt cut short: start again, not resume
     storage.mkdir(parents=True, exist_ok=True)
+    planted = plant_stale_cluster_address()
     out = finish(driver(storage, NAME, *finished_run_args(shared), cache=shared_cache), timeout=280)
+    (storage / STALE_RECORD).write_text(json.dumps(
+        {"planted": planted, "left_after_run": planted is not None and _address_file().exists()}))
     log.write_text(out)
     return run_dir
+
+
+STALE_RECORD = "stale_cluster_address.json"
+
+
+def _address_file() -> pathlib.Path:
+    from ray._common.utils import get_ray_address_file
+
+    return pathlib.Path(get_ray_address_file(None))
+
+
+def plant_stale_cluster_address() -> str | None:
+    """Write this host's "current cluster" file naming an address nothing answers at, as a cluster killed without
+    ``ray stop`` leaves it (the driver must remove it: lightray.ray_private); None when a file is there already
+    (a live cluster of someone else's, left alone)."""
+    import socket
+
+    f = _address_file()
+    if f.exists():
+        return None
+    with socket.socket() as s:  # a port that was free a moment ago and that nothing listens on now
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text(address)
+    return address
+
+
+def stale_cluster_address(run_dir: pathlib.Path) -> dict:
+    """What plant_stale_cluster_address planted before the run, and whether the file was still there after it."""
+    return json.loads((run_dir.parent / STALE_RECORD).read_text())
 
 
 def console(run_dir: pathlib.Path) -> str:

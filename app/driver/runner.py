@@ -19,7 +19,7 @@ from typing import Any
 import ray
 import yaml
 
-from lightray import startup
+from lightray import ray_private, startup
 from lightray.config import Config, ConfigError, default_eval_resolution
 from lightray.data.ingest import (
     IngestSpec,
@@ -102,6 +102,11 @@ def connect_ray(cfg: Config, verbose: bool = False, dashboard: bool = False) -> 
     ncpu = cfg.scaling.ray_num_cpus or 2 * (os.cpu_count() or 1)
     for key, value in CLUSTER_ENV.items():  # a cluster started below inherits them; a value the user set wins
         os.environ.setdefault(key, value)
+    ray_private.check()
+    if address in ("local", "auto"):  # a cluster may start here: Ray's State API must not ask a dead one
+        stale = ray_private.drop_stale_cluster_address()
+        if stale:
+            log.info("removed Ray's current-cluster file: nothing answers at %s", stale)
     if address == "local":  # always a fresh local cluster (tests, isolated runs)
         ray.init(address="local", num_cpus=ncpu, **kwargs)
         return True
