@@ -1,4 +1,5 @@
-"""Ray internals lightray depends on, in one place, each checked against the Ray it was written for.
+"""Ray internals lightray depends on, in one place, each checked against the Ray it was written for (a leaf:
+it imports nothing of the package, and Ray only when called).
 
 Ray 2.60 has no public interface for these. Each one is looked up here, and ``check()`` says loudly (one
 warning naming the missing attribute and the pinned version) when an upgrade moved it, instead of a caller
@@ -10,8 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-
-import ray
 
 PINNED = "2.60"
 log = logging.getLogger(__name__)
@@ -31,6 +30,8 @@ def check() -> list[str]:
         _address_file()
     except (ImportError, AttributeError) as exc:
         missing.append(f"ray._common.utils.get_ray_address_file ({exc})")
+    import ray
+
     for name in missing:
         log.warning("lightray was written for Ray %s; Ray %s lacks %s", PINNED, ray.__version__, name)
     return missing
