@@ -188,3 +188,38 @@ def test_hook_state_loaded_onto_another_device_resumes_exactly(runs):
     for r in range(WORLD):
         d = runs[r]["topk_dgc"]
         _check(d["from_lazy"], d["whole"])
+
+
+# A CUDA generator's state is 16 bytes (seed and offset), a CPU one's 5,056: what the GPU run's checkpoint holds.
+CUDA_GENERATOR_STATE = torch.Generator().manual_seed(7).get_state()[:16].clone()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_checkpoint_taken_on_a_gpu_resumes_on_a_cpu_worker_in_every_mode(mode):
+    """The hook state a GPU worker writes, loaded by a CPU worker at the same layout: it used to raise in
+    ``Generator.set_state`` ("RNG state is wrong size") in every mode, dense included."""
+    topo = Topology.simulated(WORLD, 1, 1)
+    saved = CommHook(CommConfig(**{**BASE, **MODES[mode]}), topo, torch.device("cpu"), optimizer="sgd")
+    sd = saved.state_dict()
+    sd.update(selection_rng=CUDA_GENERATOR_STATE, selection_rng_device="cuda")
+    resumed = CommHook(CommConfig(**{**BASE, **MODES[mode]}), topo, torch.device("cpu"), optimizer="sgd")
+    resumed.load_state_dict(sd, WORLD)
+    assert "selection generator saved on a cuda device reseeded on cpu" in resumed.describe(), resumed.describe()
+    # The generator draws, and from the same seed on every resume of this rank at this step.
+    again = CommHook(CommConfig(**{**BASE, **MODES[mode]}), topo, torch.device("cpu"), optimizer="sgd")
+    again.load_state_dict(sd, WORLD)
+    assert torch.equal(torch.randint(1000, (8,), generator=resumed._sel_gen),
+                       torch.randint(1000, (8,), generator=again._sel_gen))
+
+
+def test_a_checkpoint_from_the_same_kind_of_device_keeps_its_generator_position():
+    topo = Topology.simulated(WORLD, 0, 1)
+    cfg = CommConfig(**{**BASE, **MODES["topk_dgc"]})
+    saved = CommHook(cfg, topo, torch.device("cpu"), optimizer="sgd")
+    torch.randint(1000, (5,), generator=saved._sel_gen)  # moved on from its seed
+    sd = saved.state_dict()
+    want = torch.randint(1000, (8,), generator=saved._sel_gen)
+    resumed = CommHook(cfg, topo, torch.device("cpu"), optimizer="sgd")
+    resumed.load_state_dict(sd, WORLD)
+    assert torch.equal(torch.randint(1000, (8,), generator=resumed._sel_gen), want)
+    assert "reseeded" not in resumed.describe()

@@ -111,3 +111,27 @@ def test_report_of_an_empty_uri_names_it(s3_storage) -> None:
     uri = storage.join(s3_storage, "no-such-run")
     with pytest.raises(FileNotFoundError, match="no-such-run.*expected a run folder"):
         write_reports(uri)
+
+
+def test_a_records_copy_that_fails_at_the_end_is_returned_after_every_helper_stopped(ray_local, tmp_path: Path,
+                                                                                    caplog) -> None:
+    """The run's end with its storage gone: the records' last copy raises. It used to raise out of the driver's
+    ``finally``, where it replaced the run's own error and skipped summary.json; ``close_out`` stops every helper,
+    returns the bill and the error, and says where the complete records are."""
+    from lightray.driver.billing import NodeMeter
+    from lightray.driver.cluster_loss import ClusterWatch
+    from lightray.driver.runner import close_out
+
+    local = tmp_path / "mirror"
+    local.mkdir()
+    (local / "metrics.jsonl").write_text(json.dumps(train_line(1, 0.5)) + "\n")
+    blocked = tmp_path / "storage-is-a-file"
+    blocked.write_text("")  # the run's folder would be inside a file: every copy into it fails
+    records = RecordSync(str(local), str(blocked / "run")).start()
+    meter = NodeMeter(str(tmp_path / "bill"), "local").start()
+    watch = ClusterWatch(ray_local.get_runtime_context().gcs_address, lambda cause: None).start()
+    billing, error = close_out(meter, watch, records, str(local))
+    assert isinstance(error, OSError), error
+    assert billing is not None and "attempts" in billing, billing
+    assert watch._stop.is_set()  # the cluster watch was stopped although the meter came first
+    assert f"the run's records are complete in {local}" in caplog.text

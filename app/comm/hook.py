@@ -909,6 +909,7 @@ class CommHook:
             "residuals": self.residuals(), "powersgd": None, "momentum": self.velocities(),
             "dense_momentum": self._slots["dense_momentum"].per_param(),
             "selection_rng": self._sel_gen.get_state().cpu(),
+            "selection_rng_device": self.device.type,  # its state's shape depends on it (16 bytes on CUDA)
             "auto_choice": self.mode if self.auto and not self._auto_pending else None,
             "bucket_layouts": {i: [[name, numel] for name, numel in layout]
                                for i, layout in sorted(self._layouts_done.items())},
@@ -966,8 +967,7 @@ class CommHook:
         self._slots["momentum"].load(sd.get("momentum") or {}, self.device)
         self._slots["dense_momentum"].load(sd.get("dense_momentum") or {}, self.device)
         if sd.get("selection_rng") is not None:
-            # set_state takes only a CPU byte tensor, also for a CUDA generator.
-            self._sel_gen.set_state(sd["selection_rng"].cpu())
+            self._load_selection_rng(sd["selection_rng"], sd.get("selection_rng_device"))
         self._replay = {int(i): [(str(name), int(numel)) for name, numel in layout]
                         for i, layout in (sd.get("bucket_layouts") or {}).items()}
         self._layouts_done = dict(self._replay)
@@ -979,6 +979,22 @@ class CommHook:
                 self._force_dense = max(self._force_dense, 1)
         self._notes.append(f"resumed at step {self.step} with {len(self._slots['residual'])} residual and "
                            f"{len(self._slots['momentum']) + len(self._slots['dense_momentum'])} velocity tensors")
+
+    def _load_selection_rng(self, saved: torch.Tensor, saved_device: str | None) -> None:
+        """The sampled selection's generator where the checkpoint left it; a state saved on another kind of
+        device (a CUDA generator's is 16 bytes, a CPU one's 5,056) cannot be loaded into this one, so the
+        generator is seeded afresh from the rank and the step: selection then samples a new stream, which
+        changes which near-threshold entries are sent first, not what the residuals hold."""
+        saved = saved.cpu()  # set_state takes only a CPU byte tensor, also for a CUDA generator
+        if saved.numel() == self._sel_gen.get_state().numel() and saved_device in (None, self.device.type):
+            self._sel_gen.set_state(saved)
+            return
+        seed = 1234 + self.topology.rank + 100_003 * self.step
+        self._sel_gen.manual_seed(seed)
+        where = saved_device or f"{saved.numel()}-byte"
+        self._notes.append(f"selection generator saved on a {where} device reseeded on {self.device.type} ({seed})")
+        unit_log("comm_resume", f"the selection generator was saved on a {where} device: reseeded on "
+                 f"{self.device.type}", seed=seed, saved_device=saved_device, saved_bytes=saved.numel())
 
     # --- reporting ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

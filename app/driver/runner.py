@@ -256,12 +256,32 @@ def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, str
         error, spot = _fit(trainer, cfg, local_run_dir, flush_log, None if inline else waiting,
                            stream=(stream or sys.stdout) if progress else None)
     finally:
+        # Never raises: an error here must not replace the one the run is failing with.
+        billing, close_error = close_out(meter, watch, records, local_run_dir)
+    summary = _write_result(cfg, run_dir, local_run_dir, t0, sched, use_gpu, error, spot, billing)
+    if close_error is not None:  # the run itself finished: say that its records did not all reach storage
+        raise close_error
+    return summary
+
+
+def close_out(meter, watch, records, local_run_dir: str) -> tuple[dict | None, Exception | None]:
+    """Stop the run's helpers, each whatever the others did: the machine meter (its bill), the cluster watch
+    and the records' last copy to storage. Returns (the bill or None, the first error); each error is logged
+    with where the records still are, so that one at the end (a storage outage) neither hides the run's own
+    error nor stops summary.json from being written."""
+    billing, first = None, None
+    for name, stop in (("machine meter", meter.stop), ("cluster watch", watch.stop),
+                       ("records' copy to storage", records.stop)):
         try:
-            billing = meter.stop()
-        finally:
-            watch.stop()
-            records.stop()
-    return _write_result(cfg, run_dir, local_run_dir, t0, sched, use_gpu, error, spot, billing)
+            out = stop()
+        except Exception as exc:  # noqa: BLE001 - reported below and returned, never lost
+            log.error("stopping the %s failed: %s (the run's records are complete in %s)", name, exc,
+                      local_run_dir)
+            first = first or exc
+            continue
+        if name == "machine meter":
+            billing = out
+    return billing, first
 
 
 def _make_trainer(cfg: Config, run_dir: str, local_run_dir: str, spec, sched: Schedule, num_classes: int,
@@ -518,11 +538,18 @@ def _write_result(cfg: Config, run_dir: str, local_run_dir: str, t0: float, sche
         if error is None:
             raise
         records = []  # the run failed before its first metrics line: summary.json must still name the cause
-    summary = write_summary(cfg, run_dir, local_run_dir, records, t0, time.time(), sched.epochs,
-                            use_gpu=use_gpu, error=error,
-                            spot={"watched_nodes": len(spot), "notices": sum(s.get("notices", 0) > 0 for s in spot),
-                                  "drained": sum(bool(s.get("drained")) for s in spot)},
-                            billing=billing)
+    try:
+        summary = write_summary(cfg, run_dir, local_run_dir, records, t0, time.time(), sched.epochs,
+                                use_gpu=use_gpu, error=error,
+                                spot={"watched_nodes": len(spot),
+                                      "notices": sum(s.get("notices", 0) > 0 for s in spot),
+                                      "drained": sum(bool(s.get("drained")) for s in spot)},
+                                billing=billing)
+    except Exception as exc:
+        if error is None:
+            raise
+        # the storage failed too: the run's own error is the one to see (the local summary.json is written first)
+        log.error("summary.json not written to %s: %s", run_dir, exc)
     if error is not None:
         raise error
     return summary

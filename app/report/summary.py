@@ -126,9 +126,10 @@ def write_summary(cfg: Config, run_dir: str, local_run_dir: str, records: list[d
         **(extra or {}),
     }
     data = json.dumps(summary, indent=2, default=str).encode()
-    storage.write_bytes(storage.join(run_dir, "summary.json"), data)
+    # The local copy first: it is there even when the storage is not (an outage at the run's end).
     if local_run_dir != run_dir:
         storage.write_bytes(storage.join(local_run_dir, "summary.json"), data)
+    storage.write_bytes(storage.join(run_dir, "summary.json"), data)
     return summary
 
 
