@@ -122,7 +122,6 @@ def _one_fault(kind: str, folder) -> dict:
     return {"row": row, "fault": fault, "collective_timeout_s": timeout_s}
 
 
-@pytest.mark.alone
 @pytest.mark.slow
 def test_a_hung_peer_is_ended_and_its_group_replaced_within_the_collective_timeout(tmp_path):
     """The CI form of the soak's hung peer: a Train worker stopped with SIGSTOP mid-run, no other CI test's."""

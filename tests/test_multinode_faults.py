@@ -28,7 +28,7 @@ from tests.faults import (
     wait_for,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.own_cluster, pytest.mark.alone]
+pytestmark = [pytest.mark.slow, pytest.mark.own_cluster]
 EPOCH0 = 8 * 64  # samples in each of the first two epochs (512 // 64 steps of 64)
 
 
