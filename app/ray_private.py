@@ -16,7 +16,8 @@ PINNED = "2.60"
 log = logging.getLogger(__name__)
 
 
-def _address_file(temp_dir: str | None = None) -> str:
+def address_file(temp_dir: str | None = None) -> str:
+    """This host's "current cluster" file (``/tmp/ray/ray_current_cluster`` by default)."""
     from ray._common.utils import get_ray_address_file
 
     return get_ray_address_file(temp_dir)
@@ -27,7 +28,7 @@ def check() -> list[str]:
     one is logged as a warning with the pinned version."""
     missing = []
     try:
-        _address_file()
+        address_file()
     except (ImportError, AttributeError) as exc:
         missing.append(f"ray._common.utils.get_ray_address_file ({exc})")
     import ray
@@ -56,7 +57,7 @@ def drop_stale_cluster_address(temp_dir: str | None = None) -> str | None:
     question waits out 20 retries, and every run's end waits 12 s for the cleaner to stop (measured here: a
     smoke run took 57 s with the stale file and 44 s without)."""
     try:
-        path = _address_file(temp_dir)
+        path = address_file(temp_dir)
     except (ImportError, AttributeError):
         return None  # check() has said so
     try:

@@ -65,9 +65,9 @@ STALE_RECORD = "stale_cluster_address.json"
 
 
 def _address_file() -> pathlib.Path:
-    from ray._common.utils import get_ray_address_file
+    from lightray.ray_private import address_file
 
-    return pathlib.Path(get_ray_address_file(None))
+    return pathlib.Path(address_file())
 
 
 def plant_stale_cluster_address() -> str | None:

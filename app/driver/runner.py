@@ -269,19 +269,17 @@ def close_out(meter, watch, records, local_run_dir: str) -> tuple[dict | None, E
     and the records' last copy to storage. Returns (the bill or None, the first error); each error is logged
     with where the records still are, so that one at the end (a storage outage) neither hides the run's own
     error nor stops summary.json from being written."""
-    billing, first = None, None
+    done: dict[str, Any] = {}
+    first = None
     for name, stop in (("machine meter", meter.stop), ("cluster watch", watch.stop),
                        ("records' copy to storage", records.stop)):
         try:
-            out = stop()
-        except Exception as exc:  # noqa: BLE001 - reported below and returned, never lost
+            done[name] = stop()
+        except Exception as exc:  # noqa: BLE001 - logged here and returned, never lost
             log.error("stopping the %s failed: %s (the run's records are complete in %s)", name, exc,
                       local_run_dir)
             first = first or exc
-            continue
-        if name == "machine meter":
-            billing = out
-    return billing, first
+    return done.get("machine meter"), first
 
 
 def _make_trainer(cfg: Config, run_dir: str, local_run_dir: str, spec, sched: Schedule, num_classes: int,
