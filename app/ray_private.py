@@ -31,11 +31,31 @@ def check() -> list[str]:
         address_file()
     except (ImportError, AttributeError) as exc:
         missing.append(f"ray._common.utils.get_ray_address_file ({exc})")
+    try:
+        if not preemption_has_its_own_budget():
+            missing.append("the preemption budget for a worker error marked preempted (spot notices will be "
+                           "charged to scaling.max_failures)")
+    except (ImportError, AttributeError, TypeError) as exc:
+        missing.append(f"ray.train.v2's _is_preemption_failure ({exc}); spot notices may be charged to "
+                       f"scaling.max_failures")
     import ray
 
     for name in missing:
         log.warning("lightray was written for Ray %s; Ray %s lacks %s", PINNED, ray.__version__, name)
     return missing
+
+
+def preemption_has_its_own_budget() -> bool:
+    """Whether Ray Train charges a worker group that failed with a ``RayActorError`` marked ``preempted`` to
+    ``max_preemption_failures`` rather than ``max_failures``. lightray's ``PreemptedError`` (raised after a spot
+    notice's checkpoint) is such an error; Ray 2.60 decides this in ``_is_preemption_failure``, which is private,
+    so it is asked here with the error shape lightray raises."""
+    from ray.exceptions import RayActorError
+    from ray.train.v2._internal.execution.failure_handling.default import _is_preemption_failure
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    failed = WorkerGroupError(error_message="probe", worker_failures={0: RayActorError(preempted=True)})
+    return bool(_is_preemption_failure(failed))
 
 
 def _answers(address: str, timeout_s: float = 1.0) -> bool:

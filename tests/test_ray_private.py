@@ -34,3 +34,29 @@ def test_a_current_cluster_file_naming_a_live_address_is_kept(tmp_path):
 
 def test_no_current_cluster_file_is_nothing_to_do(tmp_path):
     assert ray_private.drop_stale_cluster_address(str(tmp_path)) is None
+
+
+def test_the_pinned_ray_gives_an_error_marked_preempted_its_own_budget():
+    assert ray_private.preemption_has_its_own_budget() is True
+
+
+def test_a_spot_notice_is_charged_to_the_preemption_budget_and_a_real_error_to_max_failures():
+    """lightray's PreemptedError, as it reaches Ray Train's controller (pickled), against Ray's own failure policy
+    with no failure allowed: any number of notices are retried, one real error ends the run."""
+    import pickle
+
+    from ray.train import FailureConfig
+    from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy
+    from ray.train.v2._internal.execution.failure_handling.failure_policy import FailureDecision
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from lightray.train.trainer import PreemptedError
+
+    policy = DefaultFailurePolicy(FailureConfig(max_failures=0, max_preemption_failures=-1))
+    notice = pickle.loads(pickle.dumps(PreemptedError("node preemption notice X; checkpoint written")))
+    assert "node preemption notice X" in str(notice)
+    for _ in range(3):
+        group = WorkerGroupError(error_message="notice", worker_failures={0: notice, 1: notice})
+        assert policy.make_decision(group) == FailureDecision.RETRY
+    bug = WorkerGroupError(error_message="bug", worker_failures={0: RuntimeError("a real error")})
+    assert policy.make_decision(bug) == FailureDecision.RAISE

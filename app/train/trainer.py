@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from ray.exceptions import RayActorError
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightray import storage, units
@@ -60,8 +61,19 @@ from lightray.train.state import (
 RANK_KEYS = ("comm", "rng")  # every rank's own part of a checkpoint; the rest is rank 0's replicated state
 
 
-class PreemptedError(RuntimeError):
-    """Raised after the preemption checkpoint so that Ray Train restarts the group off the draining node."""
+class PreemptedError(RayActorError):
+    """Raised after the preemption checkpoint so that Ray Train restarts the group off the draining node.
+
+    A ``RayActorError`` marked ``preempted``: Ray Train charges a worker group whose error is one of those to
+    ``max_preemption_failures`` (unlimited in lightray), not to ``max_failures``, so spot notices do not use up
+    the budget kept for real errors (``lightray.ray_private.check`` says so loudly if an upgrade changes that)."""
+
+    def __init__(self, message: str):
+        super().__init__(error_msg=message, preempted=True)
+        self.message = message
+
+    def __reduce__(self):  # the worker's error travels to the controller pickled
+        return (type(self), (self.message,))
 
 
 class CheckpointWriteError(RuntimeError):
