@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from lightray.driver.cluster_loss import EXIT_CLUSTER_LOST
-from lightray.driver.run_lock import LOCK_NAME
+from lightray.driver.run_lock import EXIT_LOCK_LOST, LOCK_NAME
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ PROGRAM = textwrap.dedent("""
     with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
         for step in (1, 2):
             f.write(json.dumps({{"step": step, "samples_seen": 64 * step, "elapsed_s": step, "loss": 2.0}}) + "\\n")
-    RunLock(run_dir, pid=driver_guard.driver_pid()).acquire()  # as the runner takes it
+    RunLock(run_dir, pid=driver_guard.driver_pid(), heartbeat_s=0.2 if mode == "lock_taken" else 10).acquire()
     if mode.startswith("tune"):  # a search's driver: what app/tune/search.py tells
         driver_guard.tell(run={{"kind": "tune", "name": "g", "storage": storage, "gcs_address": gcs,
                                 "raylet_address": None, "own_cluster": False}})
@@ -118,6 +118,27 @@ def test_driver_ended_by_ray_after_the_cluster_went_away_gets_summary_line_and_e
     assert s["status"] == "failed" and s["error"].startswith("ClusterLostError:") and "was lost" in s["error"]
     assert s["samples_seen"] == 128 and s["epochs_planned"] == 3 and s["run_name"] == "g"
     assert not (tmp_path / "runs" / "g" / LOCK_NAME).exists()  # the resume command finds the run free
+
+
+def test_a_driver_whose_run_another_driver_took_over_stops_at_its_next_heartbeat_and_writes_nothing(tmp_path, gcs):
+    """The run lock is a fence: the lock taken over (as a driver that judged this one gone would), the driver
+    ends within a heartbeat with one line naming the new holder, and neither it nor its guardian writes a
+    summary or touches the new owner's lock."""
+    proc = start(tmp_path, "lock_taken", gcs)
+    driver_pid(tmp_path, proc)
+    lock = tmp_path / "runs" / "g" / LOCK_NAME
+    now = time.time()
+    theirs = {"host": "another-node", "pid": 7, "start_time": now, "heartbeat": now, "token": "theirs", "beats": 0}
+    tmp = lock.with_name("lock.tmp")
+    tmp.write_text(json.dumps(theirs))
+    os.replace(tmp, lock)
+    out, _ = proc.communicate(timeout=60)  # the old code trained on: it slept out its 600 s
+    assert proc.returncode == EXIT_LOCK_LOST, out
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("lightray: error:")]
+    assert "another driver took the run over (host another-node, pid 7," in line, line
+    assert "stopped without writing more" in line, line
+    assert json.loads(lock.read_text())["token"] == "theirs"
+    assert not (tmp_path / "runs" / "g" / "summary.json").exists()
 
 
 def test_search_driver_ended_by_ray_says_the_search_stopped_and_how_to_resume_it(tmp_path, gcs):

@@ -64,19 +64,38 @@ def test_a_lock_left_by_a_killed_driver_is_taken_over(tmp_path, capsys):
     assert not (tmp_path / LOCK_NAME).exists()  # released on a clean exit
 
 
-def _other_host_lock(run_dir: pathlib.Path, heartbeat_age_s: float) -> None:
-    now = time.time()
-    storage.write_json(str(run_dir / LOCK_NAME), {"host": "another-node", "pid": 1, "start_time": now - 3600,
-                                                  "heartbeat": now - heartbeat_age_s, "token": "x"})
+def _other_host_process(run_dir: pathlib.Path, clock_offset_s: float) -> subprocess.Popen:
+    """A real driver's lock "on another host" whose wall clock is ``clock_offset_s`` off this host's; it beats
+    every 0.1 s until killed."""
+    script = textwrap.dedent(f"""
+        import time
+        from lightray.driver.run_lock import RunLock
+        RunLock({str(run_dir)!r}, heartbeat_s=0.1, host="another-node",
+                clock=lambda: time.time() + {clock_offset_s!r}).acquire()
+        print("locked", flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
 
 
-def test_another_hosts_lock_counts_while_its_heartbeat_is_fresh(tmp_path):
-    _other_host_lock(tmp_path, heartbeat_age_s=1)
-    with pytest.raises(RunLockedError, match="host another-node, pid 1"):
-        RunLock(str(tmp_path), stale_after_s=30).acquire()
-    _other_host_lock(tmp_path, heartbeat_age_s=120)
-    with RunLock(str(tmp_path), stale_after_s=30):
-        assert read_holder(str(tmp_path)).host == socket.gethostname()
+def test_another_hosts_lock_is_judged_by_its_heartbeat_count_not_by_comparing_clocks(tmp_path):
+    """Staleness is the holder's own heartbeat count standing still for stale_after_s of this host's clock: a live
+    holder whose clock is an hour behind keeps the run; a dead one whose clock was an hour ahead loses it."""
+    behind = _other_host_process(tmp_path / "a", clock_offset_s=-3600)
+    try:
+        with pytest.raises(RunLockedError, match="host another-node, pid"):
+            RunLock(str(tmp_path / "a"), stale_after_s=2).acquire()
+    finally:
+        behind.kill()
+        behind.wait()
+    ahead = _other_host_process(tmp_path / "b", clock_offset_s=3600)
+    ahead.kill()
+    ahead.wait()
+    assert read_holder(str(tmp_path / "b")).heartbeat > time.time() + 3000  # its last beat, "in the future"
+    with RunLock(str(tmp_path / "b"), stale_after_s=2, on_lost=pytest.fail):
+        assert read_holder(str(tmp_path / "b")).host == socket.gethostname()
 
 
 def _race(run_dir: str, barrier, results, release) -> None:
@@ -128,21 +147,70 @@ def test_drivers_started_at_the_same_instant_leave_exactly_one_holder(where, tmp
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
-def test_a_heartbeat_that_finds_its_lock_taken_leaves_the_new_owners_lock_alone(where, tmp_path, request, capsys):
+def test_a_heartbeat_that_finds_its_lock_taken_leaves_the_new_owners_lock_alone(where, tmp_path, request):
     base = str(tmp_path) if where == "local" else request.getfixturevalue("s3_storage")
-    lock = RunLock(base, heartbeat_s=0.2).acquire()
+    lost: list[str] = []
+    lock = RunLock(base, heartbeat_s=0.2, on_lost=lost.append).acquire()  # the default ends the process
     try:
         # Another driver took the run over (this one's heartbeat had stalled past stale_after_s).
         now = time.time()
         storage.write_json(storage.join(base, LOCK_NAME), {"host": "another-node", "pid": 7, "start_time": now,
                                                            "heartbeat": now, "token": "theirs"})
         # The next heartbeat (every 0.2 s) finds the lock changed under it; one that wrote over it never would.
-        wait_for(lambda: lock.lost, 60, "the heartbeat to find its lock taken", interval=0.05)
-        assert read_holder(base).token == "theirs"  # no heartbeat wrote over it
+        wait_for(lambda: lost, 60, "the heartbeat to find its lock taken", interval=0.05)
+        assert lock.lost and read_holder(base).token == "theirs"  # no heartbeat wrote over it
     finally:
-        lock.release()  # joins the heartbeat thread, which said so before it ended
-    assert "no longer this driver's (host another-node, pid 7" in capsys.readouterr().out
+        lock.release()
+    (msg,) = lost  # said once, naming the new holder (tests/test_driver_guard.py: the process then ends)
+    assert "another driver took the run over (host another-node, pid 7" in msg, msg
     assert read_holder(base).token == "theirs"  # nor did the release remove it
+
+
+@pytest.fixture
+def s3_proxy(s3_storage):
+    from urllib.parse import parse_qs, urlsplit
+
+    from tests.s3_proxy import S3Proxy
+
+    host, port = parse_qs(urlsplit(s3_storage).query)["endpoint_override"][0].rsplit(":", 1)
+    proxy = S3Proxy(host, int(port))
+    yield proxy
+    proxy.close()
+
+
+def test_a_conditional_write_retried_after_its_reply_was_lost_is_not_a_loss(s3_proxy, capsys):
+    """The server applies a conditional PUT and its reply is lost; botocore retries it and gets 412, because
+    the lock is now the one it wrote. Neither taking the lock nor a heartbeat may read that as another driver's."""
+    base = s3_proxy.uri("lightray-runs/runs/retried")
+    s3_proxy.lose_conditional_put_replies = 1  # the create (If-None-Match: *)
+    lost: list[str] = []
+    lock = RunLock(base, heartbeat_s=0.2, on_lost=lost.append).acquire()
+    try:
+        assert read_holder(base).token == lock.me.token
+        s3_proxy.lose_conditional_put_replies = 2  # two heartbeats in a row (If-Match)
+        beats = lock.me.beats
+        wait_for(lambda: len(s3_proxy.lost) == 3 and lock.me.beats >= beats + 4, 60,
+                 "two heartbeats whose replies were lost, and two more", interval=0.05)
+        assert lost == [] and not lock.lost
+        assert read_holder(base).beats >= beats + 3  # the heartbeat goes on writing
+    finally:
+        lock.release()
+    assert [line.split(b" ")[0] for line in s3_proxy.lost] == [b"PUT"] * 3
+    assert read_holder(base) is None  # released as its own
+    assert "warning" not in capsys.readouterr().out
+
+
+def test_a_store_that_ignores_conditional_writes_is_named_in_a_warning(s3_proxy, capsys):
+    s3_proxy.strip_conditions = True  # an S3-compatible store without conditional writes
+    base = s3_proxy.uri("lightray-runs/runs/unconditional")
+    with RunLock(base, on_lost=pytest.fail):
+        pass
+    out = capsys.readouterr().out
+    assert "lightray: warning: the object store of s3://lightray-runs/runs/unconditional/driver.lock" in out, out
+    assert "ignored a conditional write" in out and "two drivers could both take this run" in out, out
+    s3_proxy.strip_conditions = False
+    with RunLock(s3_proxy.uri("lightray-runs/runs/conditional"), on_lost=pytest.fail):
+        assert "ignored a conditional write" not in capsys.readouterr().out
 
 
 # Two real drivers of one run started at the same instant on S3, one refused by the lock's conditional create:

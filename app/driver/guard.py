@@ -34,6 +34,7 @@ import time
 from typing import Any
 
 from lightray.driver.cluster_loss import EXIT_CLUSTER_LOST
+from lightray.driver.run_lock import EXIT_LOCK_LOST
 
 GUARD_ENV = "LIGHTRAY_DRIVER_GUARD"
 _PR_SET_PDEATHSIG = 1
@@ -154,8 +155,10 @@ class _Guardian:
         messages = self._read_messages()
         code = os.waitstatus_to_exitcode(status)
         run = next((m["run"] for m in reversed(messages) if "run" in m), None)
-        if run is None or code in (0, EXIT_CLUSTER_LOST) or self.forwarded is not None:
-            return self._pass_on(code)  # EXIT_CLUSTER_LOST: the driver's own ClusterWatch said it all
+        if run is None or code in (0, EXIT_CLUSTER_LOST, EXIT_LOCK_LOST) or self.forwarded is not None:
+            # EXIT_CLUSTER_LOST: the driver's own ClusterWatch said it all. EXIT_LOCK_LOST: the run is another
+            # driver's now, and a summary written here would be written over its run.
+            return self._pass_on(code)
         python_exit = any(m.get("python_exit") for m in messages)
         if python_exit and code == 2:  # a usage or data error the CLI reported in its one line
             return self._pass_on(code)

@@ -44,6 +44,11 @@ class LockStore:
         """Remove the file if it still has ``tag``."""
         raise NotImplementedError
 
+    def keeps_conditions(self, data: bytes) -> bool:
+        """Whether a create over the file (which holds ``data``) is refused, as it must be; asked once a lock is
+        taken. Only an object store can get this wrong, by ignoring the condition."""
+        return True
+
 
 def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
@@ -138,6 +143,11 @@ class S3LockStore(LockStore):
 
     def replace(self, data: bytes, tag: str) -> str | None:
         return self._put(data, IfMatch=tag)
+
+    def keeps_conditions(self, data: bytes) -> bool:
+        # An S3-compatible store that ignores If-None-Match accepts this second create; it writes the same bytes,
+        # so the lock and its ETag stay as they were.
+        return self.create(data) is None
 
     def delete(self, tag: str) -> bool:
         from botocore.exceptions import ClientError
