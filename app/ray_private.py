@@ -8,6 +8,7 @@ failing silently later.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import socket
@@ -23,26 +24,179 @@ def address_file(temp_dir: str | None = None) -> str:
     return get_ray_address_file(temp_dir)
 
 
+# The autoscaling coordinator Ray Data and Ray Train book resources through (name, namespace): a dead driver's
+# bookings are cancelled there (app/driver/stale_runs.py).
+AUTOSCALING_COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")
+
+
+def __getattr__(name: str):
+    # Ray Train's worker-group callback base (tune/free.py subclasses it), resolved on first use so that this
+    # module imports no Ray until asked.
+    if name == "WorkerGroupCallback":
+        from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+
+        return WorkerGroupCallback
+    raise AttributeError(name)
+
+
+def _probe_coordinator() -> bool:
+    from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as dac
+
+    source = inspect.getsource(dac.get_or_create_autoscaling_coordinator)
+    name, namespace = AUTOSCALING_COORDINATOR
+    return (f'name="{name}"' in source and f'namespace="{namespace}"' in source
+            and "requester_id" in inspect.signature(dac._AutoscalingCoordinatorActor.cancel_request).parameters)
+
+
+def _probe_actor_table() -> bool:
+    from ray._private.state import GlobalState
+
+    return {"job_id", "actor_state_name"} <= set(inspect.signature(GlobalState.actor_table).parameters)
+
+
+def _probe_drain() -> bool:
+    from ray._private import worker
+    from ray._private.state import GlobalState
+    from ray.core.generated import autoscaler_pb2
+
+    autoscaler_pb2.DrainNodeReason.Value(DRAIN_REASON)
+    return hasattr(worker, "global_worker") and hasattr(GlobalState, "get_draining_nodes")
+
+
+def _probe_callback_error_is_the_failure() -> bool:
+    # MachineLossCallback (app/driver/machine_loss.py) raises a WorkerGroupError from a worker-group callback's
+    # after_worker_group_poll_status: it must reach the failure policy as it is, not wrapped as a (non-retryable)
+    # controller error; and it reads the workers' node ids from the group's state.
+    from ray.train.v2._internal.execution.controller.controller import TrainController
+    from ray.train.v2._internal.execution.worker_group.worker import ActorMetadata
+    from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+
+    poll = inspect.getsource(WorkerGroup.poll_status)
+    loop = inspect.getsource(TrainController._run_control_loop_iteration)
+    return ("after_worker_group_poll_status" in poll and "isinstance(e, TrainingFailedError)" in loop
+            and "node_id" in ActorMetadata.__dataclass_fields__
+            and hasattr(WorkerGroup, "get_worker_group_state"))
+
+
+def _probe_train_context() -> bool:
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    return callable(get_train_context)
+
+
+def _probe_placement_group_id() -> bool:
+    from ray._raylet import JobID, PlacementGroupID
+
+    job = JobID.from_int(7)
+    return placement_group_job_id(PlacementGroupID.of(job).hex()) == job.hex()
+
+
+def _probes() -> dict[str, object]:
+    """What each private interface lightray uses must look like in the pinned Ray: name -> a check that
+    returns True, or False / raises when it changed."""
+    return {
+        "ray._common.utils.get_ray_address_file": lambda: bool(address_file()),
+        "ray.train.v2's _is_preemption_failure charging a worker error marked preempted to "
+        "max_preemption_failures (spot notices would use up scaling.max_failures)": preemption_has_its_own_budget,
+        "ray.train.v2._internal.execution.callback.WorkerGroupCallback":
+            lambda: isinstance(__getattr__("WorkerGroupCallback"), type),
+        "ray.train.v2._internal.execution.context.get_train_context": _probe_train_context,
+        "Ray Train's controller handing a WorkerGroupError raised in a worker-group callback's poll hook to its "
+        "failure policy as is, and the workers' node ids (machines lost without notice would be charged to "
+        "scaling.max_failures)":
+            _probe_callback_error_is_the_failure,
+        "ray._private.state.GlobalState.actor_table(job_id=, actor_state_name=)": _probe_actor_table,
+        "the GCS client's drain_node and GlobalState.get_draining_nodes (spot notices)": _probe_drain,
+        "ray._raylet.PlacementGroupID, ending with its job's id": _probe_placement_group_id,
+        f"ray.data's autoscaling coordinator named {AUTOSCALING_COORDINATOR} with cancel_request(requester_id) "
+        "(a killed driver's bookings would hold its run back 3 minutes)": _probe_coordinator,
+    }
+
+
 def check() -> list[str]:
-    """The private names this module needs that this Ray no longer has (empty when all are there); each missing
-    one is logged as a warning with the pinned version."""
+    """The private interfaces this module needs that this Ray no longer has in the expected shape (empty when all
+    are there); each one missing is logged as a warning with the pinned version."""
     missing = []
-    try:
-        address_file()
-    except (ImportError, AttributeError) as exc:
-        missing.append(f"ray._common.utils.get_ray_address_file ({exc})")
-    try:
-        if not preemption_has_its_own_budget():
-            missing.append("the preemption budget for a worker error marked preempted (spot notices will be "
-                           "charged to scaling.max_failures)")
-    except (ImportError, AttributeError, TypeError) as exc:
-        missing.append(f"ray.train.v2's _is_preemption_failure ({exc}); spot notices may be charged to "
-                       f"scaling.max_failures")
+    for name, probe in _probes().items():
+        try:
+            ok = probe()
+        except (ImportError, AttributeError, TypeError, ValueError, OSError) as exc:
+            missing.append(f"{name} ({type(exc).__name__}: {exc})")
+            continue
+        if not ok:
+            missing.append(name)
     import ray
 
     for name in missing:
         log.warning("lightray was written for Ray %s; Ray %s lacks %s", PINNED, ray.__version__, name)
     return missing
+
+
+DRAIN_REASON = "DRAIN_NODE_REASON_PREEMPTION"
+
+
+def drain_node(node_id: str, message: str, deadline_ms: int) -> tuple[bool, str]:
+    """Drain ``node_id`` with reason PREEMPTION through the connected worker's GCS client (as ``ray drain-node``
+    does, with the cluster's auth); returns (accepted, rejection)."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    gcs = ray._private.worker.global_worker.gcs_client
+    if not hasattr(gcs, "drain_node"):
+        raise RuntimeError(f"lightray was written for Ray {PINNED}; Ray {ray.__version__}'s GCS client has no "
+                           "drain_node, so spot notices cannot drain their node")
+    reason = autoscaler_pb2.DrainNodeReason.Value(DRAIN_REASON)
+    # 0 means "no deadline" to the GCS, so a deadline is always at least 1 ms.
+    accepted, rejection = gcs.drain_node(node_id, reason, message, max(1, int(deadline_ms)))
+    return bool(accepted), str(rejection or "")
+
+
+def draining_node_ids() -> set[str]:
+    """Ids (hex) of the nodes being drained now."""
+    from ray._private.state import state
+
+    return set(state.get_draining_nodes() or {})
+
+
+def alive_actors(job_id: str) -> list[dict]:
+    """The live actors of the Ray job ``job_id`` (hex), filtered by the GCS (not the whole table, dead actors
+    included, as a poll every few seconds would otherwise fetch)."""
+    import ray
+    from ray._private.state import state
+
+    return list(state.actor_table(None, job_id=ray.JobID.from_hex(job_id), actor_state_name="ALIVE").values())
+
+
+def train_run_id() -> str | None:
+    """This worker's Ray Train run id (one per ``fit()``); None outside a Ray Train worker."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return str(get_train_context().train_run_context.run_id)
+    except Exception:  # a run in the driver's own process (app/train/inline.py): check() names a moved interface
+        return None
+
+
+def worker_group_nodes(worker_group) -> dict[int, str]:
+    """World rank -> node id (hex) of each worker of a Ray Train worker group (its workers are in rank order)."""
+    workers = worker_group.get_worker_group_state().workers
+    return {rank: str(w.metadata.node_id) for rank, w in enumerate(workers)}
+
+
+def placement_group_job_id(pg_hex: str) -> str:
+    """The hex id of the job that created the placement group ``pg_hex``: Ray's placement-group table names no
+    job, and a placement group's id ends with its job's (``PlacementGroupID.of``), which check() confirms."""
+    from ray._raylet import JobID
+
+    return pg_hex[-2 * JobID.size():]
+
+
+def placement_group_from_hex(pg_hex: str):
+    """A ``PlacementGroup`` handle for a recorded id (Ray has no public constructor from an id)."""
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup
+
+    return PlacementGroup(PlacementGroupID(bytes.fromhex(pg_hex)))
 
 
 def preemption_has_its_own_budget() -> bool:

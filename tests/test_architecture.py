@@ -22,10 +22,10 @@ ALLOWED = {
     "report": {"config", "storage", "provenance"},
     "comm": {"config", "units", "plain_rng"},
     "train": {"config", "storage", "provenance", "startup", "schedule", "data", "report", "comm", "units",
-              "plain_rng"},
+              "plain_rng", "ray_private"},
     "driver": {"config", "storage", "provenance", "startup", "schedule", "data", "report", "train", "ray_private"},
     "inference": {"config", "storage", "data", "train"},
-    "tune": {"config", "storage", "startup", "schedule", "data", "report", "train", "driver"},
+    "tune": {"config", "storage", "startup", "schedule", "data", "report", "train", "driver", "ray_private"},
 }
 TOP = {"api", "cli", "model_cli", "run"}
 # The package lightray.train shares its name with the API call lightray.train(config, ...): its __init__ makes it

@@ -153,6 +153,13 @@ def test_autoscaler_launches_workers_and_a_smoke_run_survives_a_spot_loss_billed
         assert starts[0]["samples_seen"] == 0
         # The worker group came back from a checkpoint, not from step 0.
         assert all(r["samples_seen"] > 0 for r in starts[1:]), starts
+        # Ray Data's CPU share was sized at each worker-group start from the machines then up, not once on the
+        # CPU-less head (where the old driver fixed it at the 0.5-CPU floor for the whole run).
+        shares = [r for r in records(run_dir) if r.get("unit") == "data_share"]
+        assert len(shares) >= len(starts) >= 2, shares
+        assert all(r["train_cpus"] == 2 * 1.5 and r["data_cpus"] == max(0.5, r["cluster_cpus"] - 3.0)
+                   for r in shares), shares
+        assert shares[0]["cluster_cpus"] >= 4 and shares[0]["data_cpus"] >= 1.0, shares
         # The bill went through the loss, the worker machines priced by their labels. The head, which holds the
         # driver and carries no label, is billed at the run's default key ("local").
         cost = summary["cost"]

@@ -5,6 +5,7 @@ centre-crop and rectangular validation against a plain per-image evaluation, the
 from __future__ import annotations
 
 import io
+import json
 import pathlib
 
 import numpy as np
@@ -249,3 +250,40 @@ def test_autotune_applies_pinned_values_and_logs_its_choice(manifest, tmp_path, 
     autotune.apply(spec, concurrency=2, seconds=4.0, train_cpus=1.0)
     assert spec.map_concurrency == 2 and spec.map_cpus == 0.25 and spec.block_rows == 512
     assert "too few" in spec.events[-1]["message"]
+
+
+def test_each_worker_group_start_sizes_ray_datas_cpu_share_from_the_cluster_it_has_then(manifest, tmp_path):
+    """The driver's cap was fixed before any worker existed (0.5 CPU on a head alone, for the whole run). Each
+    worker-group start (Ray Train copies the data config into a new dataset manager each time) sizes it again:
+    the cluster's CPUs now less what that group's workers hold, said once per start."""
+    import pickle
+
+    import ray
+    from ray.data import DataContext, ExecutionResources
+
+    total = ray.cluster_resources()["CPU"]
+    ctx = DataContext.get_current()
+    before = ctx.execution_options.resource_limits
+    ctx.execution_options.resource_limits = ExecutionResources(cpu=0.5)  # the driver's cap, set on a head alone
+    from functools import partial
+
+    from lightray.driver.runner import record_to_runlog
+    from lightray.report.runlog import start_runlog
+
+    runlog = start_runlog("share-test", str(tmp_path / "run"), tensorboard=False)  # the run's records, as a run has
+    spec = make_spec(manifest, str(tmp_path))
+    config = PlanDataConfig(spec, cpus_per_worker=1.5, on_share=partial(record_to_runlog, "share-test"))
+    try:
+        for world in (1, 3):  # a start on one worker, a restart on three
+            start = pickle.loads(pickle.dumps(config))
+            for _ in range(2):  # two datasets of one start: one share, said once
+                start.configure({"val": val_dataset(spec)}, world, None, [f"node{r}" for r in range(world)])
+                assert ctx.execution_options.resource_limits.cpu == max(0.5, total - 1.5 * world)
+        said = [json.loads(line) for line in open(ray.get(runlog.flush.remote()))]
+    finally:
+        ctx.execution_options.resource_limits = before
+        ray.kill(runlog)
+    assert [(s["world_size"], s["nodes"], s["train_cpus"], s["data_cpus"]) for s in said] == [
+        (1, 1, 1.5, total - 1.5), (3, 3, 4.5, max(0.5, total - 4.5))], said
+    assert all(s["event"] == "unit" and s["unit"] == "data_share" and s["cluster_cpus"] == total for s in said)
+    assert said[0]["message"].startswith(f"Ray Data gets {total - 1.5:g} of the cluster's {total:g} CPUs")

@@ -60,3 +60,21 @@ def test_a_spot_notice_is_charged_to_the_preemption_budget_and_a_real_error_to_m
         assert policy.make_decision(group) == FailureDecision.RETRY
     bug = WorkerGroupError(error_message="bug", worker_failures={0: RuntimeError("a real error")})
     assert policy.make_decision(bug) == FailureDecision.RAISE
+
+
+def test_a_private_interface_that_moved_is_named_in_a_warning_with_the_pinned_version(monkeypatch, caplog):
+    """The coordinator's name is read against Ray's own source: a name Ray no longer uses is reported, loudly."""
+    monkeypatch.setattr(ray_private, "AUTOSCALING_COORDINATOR", ("RenamedCoordinator", "AutoscalingCoordinator"))
+    with caplog.at_level("WARNING", logger="lightray.ray_private"):
+        missing = ray_private.check()
+    assert len(missing) == 1 and "('RenamedCoordinator', 'AutoscalingCoordinator')" in missing[0], missing
+    (record,) = caplog.records
+    assert "lightray was written for Ray 2.60" in record.getMessage() and "RenamedCoordinator" in record.getMessage()
+
+
+def test_the_placement_group_job_id_is_the_one_ray_built_it_from():
+    from ray._raylet import JobID, PlacementGroupID
+
+    for n in (1, 7, 2**20):
+        job = JobID.from_int(n)
+        assert ray_private.placement_group_job_id(PlacementGroupID.of(job).hex()) == job.hex()

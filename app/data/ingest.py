@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -32,7 +33,8 @@ import ray
 import ray.data
 import ray.train
 
-from lightray.data import augment, autotune, shard_cache, task_batches
+from lightray import units
+from lightray.data import augment, autotune, data_share, shard_cache, task_batches
 from lightray.data.plan import EpochPlan, rank_slice
 from lightray.data.spec import BLOCK_ROWS, IngestSpec, TierShards
 
@@ -212,16 +214,40 @@ def materialize_tiers(spec: IngestSpec, budget_mb: float, num_cpus: float = 0.5,
 class PlanDataConfig(ray.train.DataConfig):
     """Gives each rank its own ordered stream of its slice of every global batch."""
 
-    def __init__(self, spec: IngestSpec):
+    def __init__(self, spec: IngestSpec, cpus_per_worker: float | None = None,
+                 on_share: Callable[[dict[str, Any]], None] | None = None):
+        """``cpus_per_worker``: what each Train worker reserves; given, Ray Data's CPU share is sized at every
+        worker-group start from the cluster then (app/data/data_share.py) and passed to ``on_share`` once per
+        start (the driver records it); else the driver's cap stands."""
         super().__init__(datasets_to_split=[])
         self.spec = spec
+        self.cpus_per_worker, self.on_share = cpus_per_worker, on_share
+        self._shared = False  # this object is copied into each worker-group start's dataset manager
+
+    def _limits(self, ctx: Any, world_size: int, worker_node_ids: list | None) -> Any:
+        from ray.data import ExecutionResources
+
+        if self.cpus_per_worker is None:
+            return ctx.execution_options.resource_limits
+        share = data_share.data_cpu_share(world_size, self.cpus_per_worker)
+        ctx.execution_options.resource_limits = ExecutionResources(cpu=share["data_cpus"])
+        if not self._shared:
+            self._shared = True
+            nodes = len(set(worker_node_ids or []))
+            message = data_share.describe(share, world_size, nodes)
+            units.unit_log("data_share", message, world_size=world_size, nodes=nodes, **share)
+            if self.on_share is not None:
+                self.on_share({"event": "unit", "unit": "data_share", "message": message, "world_size": world_size,
+                               "nodes": nodes, **share})
+        return ctx.execution_options.resource_limits
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
         from ray.data import ExecutionOptions
         from ray.data.context import DataContext
 
         ctx = DataContext.get_current()
-        options = ExecutionOptions(resource_limits=ctx.execution_options.resource_limits, preserve_order=True)
+        options = ExecutionOptions(resource_limits=self._limits(ctx, world_size, worker_node_ids),
+                                   preserve_order=True)
         # The concurrency the autotune chose is for the whole cluster; each rank's stream gets its share.
         per_rank = ray.data.TaskPoolStrategy(
             size=max(1, math.ceil(self.spec.map_concurrency / world_size)) if self.spec.map_concurrency else None)

@@ -47,17 +47,18 @@ def job_nodes(job_id: str) -> set[str]:
     """Ids of the nodes that the Ray job ``job_id`` (hex) holds now: its placement groups' bundles, its live
     actors (observers aside) and its driver's node."""
     import ray
-    from ray._private.state import state  # GCS's actor table: no dashboard needed, unlike ray.util.state
+
+    from lightray import ray_private  # GCS's actor table: no dashboard needed, unlike ray.util.state
 
     if not job_id:
         raise ValueError("job_nodes: empty job id; expected the hex id of a Ray job")
     nodes = {ray.get_runtime_context().get_node_id()}
     for pg in ray.util.placement_group_table().values():
-        if pg.get("state") == "CREATED" and str(pg.get("placement_group_id", "")).endswith(job_id):
+        if pg.get("state") == "CREATED" and ray_private.placement_group_job_id(str(pg.get("placement_group_id"))) \
+                == job_id:
             nodes.update(pg.get("bundles_to_node_id", {}).values())
-    for actor in state.actor_table(None).values():
-        if actor.get("JobID") == job_id and actor.get("State") == "ALIVE" \
-                and actor.get("ActorClassName") not in OBSERVERS:
+    for actor in ray_private.alive_actors(job_id):
+        if actor.get("ActorClassName") not in OBSERVERS:
             nodes.add((actor.get("Address") or {}).get("NodeID"))
     return nodes
 

@@ -174,14 +174,26 @@ def _train_dataset(run_dir: str, spec: IngestSpec, sched: Schedule, phase: int):
                               if point.samples_seen < sched.total_samples else [])
 
 
-def _limit_data_resources(train_cpus: float) -> None:
-    """Cap Ray Data below what the Train workers reserve (ray#44687: starved Data tasks deadlock)."""
+def _limit_data_resources(cfg: Config) -> None:
+    """Cap the driver's Ray Data below what the most Train workers would reserve (ray#44687: starved Data tasks
+    deadlock); each worker-group start sizes the workers' share again from the cluster then (PlanDataConfig)."""
     from ray.data import DataContext, ExecutionResources
 
-    total = ray.cluster_resources().get("CPU", 1)
+    from lightray.data.data_share import data_cpu_share
+
+    share = data_cpu_share(cfg.worker_range()[1], cfg.scaling.cpus_per_worker)
     ctx = DataContext.get_current()
-    ctx.execution_options.resource_limits = ExecutionResources(cpu=max(0.5, total - train_cpus))
+    ctx.execution_options.resource_limits = ExecutionResources(cpu=share["data_cpus"])
     ctx.enable_progress_bars = False
+
+
+def record_to_runlog(run_name: str, record: dict[str, Any]) -> None:
+    """Append ``record`` to the run's records from any process of the cluster (the run's log actor)."""
+    from lightray.report.runlog import get_runlog
+
+    runlog = get_runlog(run_name)
+    if runlog is not None:
+        runlog.log.remote(record)
 
 
 def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, verbose: bool = False,
@@ -248,7 +260,7 @@ def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, str
         setup_start = time.time()
         _write_run_files(cfg, run_dir, manifest, spec, fit)
         _announce_schedule(sched, run_dir, eval_resolution(cfg), stream=(stream or sys.stdout) if progress else None)
-        _limit_data_resources(cfg.worker_range()[1] * cfg.scaling.cpus_per_worker)
+        _limit_data_resources(cfg)
         trainer, flush_log = _make_trainer(cfg, run_dir, local_run_dir, spec, sched, len(manifest.classes),
                                            use_gpu, callbacks, inline, on_report)
         startup.add("trainer_setup", setup_start)
@@ -429,6 +441,7 @@ def _build_trainer(cfg: Config, run_dir: str, spec: IngestSpec, sched: Schedule,
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from lightray.data.ingest import PlanDataConfig
+    from lightray.driver.machine_loss import MachineLossCallback
     from lightray.train.worker import train_loop_per_worker
 
     lo, hi = cfg.worker_range()
@@ -446,9 +459,10 @@ def _build_trainer(cfg: Config, run_dir: str, spec: IngestSpec, sched: Schedule,
                              failure_config=FailureConfig(max_failures=cfg.scaling.max_failures,
                                                           max_preemption_failures=-1),
                              checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
-                             callbacks=callbacks or None),
+                             # a machine gone without notice: Ray's preemption budget, not max_failures
+                             callbacks=[MachineLossCallback(), *(callbacks or [])]),
         datasets=_datasets(run_dir, spec, sched),
-        dataset_config=PlanDataConfig(spec),
+        dataset_config=PlanDataConfig(spec, cfg.scaling.cpus_per_worker, partial(record_to_runlog, cfg.name)),
     )
 
 

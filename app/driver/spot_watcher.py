@@ -44,7 +44,6 @@ ACTIONS = ("terminate", "stop", "hibernate")
 # AWS promises two minutes; used when a notice carries no usable time.
 DEFAULT_NOTICE_S = 120.0
 ACTOR_NAMESPACE = "lightray-spot"
-DRAIN_REASON = "DRAIN_NODE_REASON_PREEMPTION"
 
 
 class ImdsError(RuntimeError):
@@ -155,14 +154,9 @@ def drain_node_for_preemption(node_id: str, deadline_ms: int, message: str) -> t
 
     Needs a connected Ray worker or driver (uses its GCS client, which already carries the cluster's auth).
     """
-    import ray
-    from ray.core.generated import autoscaler_pb2
+    from lightray import ray_private
 
-    gcs = ray._private.worker.global_worker.gcs_client
-    reason = autoscaler_pb2.DrainNodeReason.Value(DRAIN_REASON)
-    # 0 means "no deadline" to the GCS, so a deadline is always at least 1 ms.
-    accepted, rejection = gcs.drain_node(node_id, reason, message, max(1, int(deadline_ms)))
-    return bool(accepted), str(rejection or "")
+    return ray_private.drain_node(node_id, message, deadline_ms)
 
 
 class SpotWatcher:
@@ -326,7 +320,9 @@ def watched_nodes(cfg: ScalingConfig) -> list[str]:
         raise ConfigError(f"scaling.spot_watcher: bad value {mode!r}; allowed: auto, on, off")
     every_node = mode == "on" or check_endpoint(cfg.spot_endpoint) != DEFAULT_ENDPOINT
     # A draining node accepts no new actors: a hard affinity to it would wait forever.
-    draining = set(ray._private.state.state.get_draining_nodes() or {})
+    from lightray import ray_private
+
+    draining = ray_private.draining_node_ids()
     out = []
     for node in ray.nodes():
         if not node.get("Alive") or node["NodeID"] in draining:

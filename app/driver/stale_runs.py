@@ -19,8 +19,9 @@ import logging
 import os
 from typing import Any
 
+from lightray import ray_private
+
 log = logging.getLogger("lightray")
-COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")  # name, namespace (ray.data's coordinator)
 CALL_TIMEOUT_S = 10.0
 
 
@@ -38,7 +39,8 @@ def release_bookings(run_ids: list[str]) -> list[str]:
     if not run_ids:
         return []
     try:
-        coordinator = ray.get_actor(COORDINATOR[0], namespace=COORDINATOR[1])
+        name, namespace = ray_private.AUTOSCALING_COORDINATOR  # checked against the pinned Ray at start-up
+        coordinator = ray.get_actor(name, namespace=namespace)
     except ValueError:
         return []
     ray.get([coordinator.cancel_request.remote(requester_id=f"train-{i}") for i in run_ids], timeout=CALL_TIMEOUT_S)

@@ -83,9 +83,6 @@ class LocalContext:
 
 def current_train_run_id() -> str | None:
     """This worker's Ray Train run id (one per ``fit()``, so one per driver attempt); None outside Ray Train."""
-    try:
-        from ray.train.v2._internal.execution.context import get_train_context
+    from lightray import ray_private
 
-        return str(get_train_context().train_run_context.run_id)
-    except Exception:  # a run in the driver's own process (app/train/inline.py), or another Train version
-        return None
+    return ray_private.train_run_id()

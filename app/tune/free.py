@@ -19,13 +19,14 @@ import logging
 import os
 
 from ray import tune
-from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+
+from lightray import ray_private
 
 log = logging.getLogger("lightray.tune")
 PG_FILE = "train_placement_groups.json"
 
 
-class PlacementGroupRecorder(WorkerGroupCallback):
+class PlacementGroupRecorder(ray_private.WorkerGroupCallback):
     """Appends the worker group's placement group id to ``<run_dir>/train_placement_groups.json``."""
 
     def __init__(self, run_dir: str) -> None:
@@ -53,12 +54,11 @@ def read_ids(run_dir: str) -> list[str]:
 
 def free_placement_groups(run_dir: str) -> int:
     """Remove the run's recorded placement groups that are still reserved; returns how many it removed."""
-    from ray._raylet import PlacementGroupID
-    from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+    from ray.util.placement_group import placement_group_table, remove_placement_group
 
     removed = 0
     for pg_hex in read_ids(run_dir):
-        pg = PlacementGroup(PlacementGroupID(bytes.fromhex(pg_hex)))
+        pg = ray_private.placement_group_from_hex(pg_hex)
         try:
             if placement_group_table(pg).get("state") in ("CREATED", "PENDING", "RESCHEDULING"):
                 remove_placement_group(pg)

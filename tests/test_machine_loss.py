@@ -1,0 +1,106 @@
+"""A machine gone without notice is a preemption; a worker that crashed on a machine still up is a failure
+(app/driver/machine_loss.py), on real Ray nodes of a cluster of this test's own, judged by Ray Train's own
+failure policy with no failure allowed."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.own_cluster]  # nodes that die
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+    import ray._private.utils as ray_utils
+    from ray.cluster_utils import Cluster
+
+    address_file = pathlib.Path(ray_utils.get_ray_address_file(None))
+    previous = address_file.read_text() if address_file.exists() else None
+    if ray.is_initialized():
+        ray.shutdown()
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        if previous is not None:
+            address_file.write_text(previous)
+        elif address_file.exists() and address_file.read_text() == c.address:
+            address_file.unlink()
+
+
+def _failure_of(call) -> Exception:
+    import ray
+
+    try:
+        ray.get(call, timeout=120)
+    except Exception as exc:  # what Ray Train's poll gets from a worker that is gone
+        return exc
+    raise AssertionError("the call returned")
+
+
+def _decide(errors: dict[int, Exception], rank_nodes: dict[int, str]):
+    """Ray Train's own policy with no failure allowed and unlimited preemptions, on the failure the callback
+    raises (the controller hands it to the policy as is: lightray.ray_private) or, when it raises none, on
+    Ray's own."""
+    from ray.train import FailureConfig
+    from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from lightray.driver.machine_loss import reclassify
+
+    policy = DefaultFailurePolicy(FailureConfig(max_failures=0, max_preemption_failures=-1))
+    raised = reclassify(errors, rank_nodes, confirm_s=5)
+    failure = raised or WorkerGroupError(error_message="", worker_failures=errors)
+    return policy.make_decision(failure).value, raised
+
+
+def test_a_machine_gone_without_notice_is_a_preemption_and_a_crash_on_a_live_one_a_failure(cluster):
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Worker:
+        def node(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
+        def wait(self) -> None:
+            import time
+
+            time.sleep(300)
+
+        def crash(self) -> None:
+            os._exit(1)  # an OOM kill or a segfault, on a machine that stays up
+
+    doomed = cluster.add_node(num_cpus=1, resources={"doomed": 1})
+    live = cluster.add_node(num_cpus=1, resources={"live": 1})
+    cluster.wait_for_nodes()
+    on_doomed = Worker.options(resources={"doomed": 0.1}).remote()
+    on_live = Worker.options(resources={"live": 0.1}).remote()
+    assert ray.get(on_doomed.node.remote()) == doomed.node_id and ray.get(on_live.node.remote()) == live.node_id
+    group = {0: doomed.node_id, 1: live.node_id}
+
+    crashed = _failure_of(on_live.crash.remote())
+    decision, raised = _decide({1: crashed, 0: RuntimeError("Connection closed by peer")}, group)
+    assert (decision, raised) == ("RAISE", None), crashed  # charged to max_failures, as before
+    assert _decide({0: RuntimeError("a bug in the training step")}, group) == ("RAISE", None)
+
+    waiting = on_doomed.wait.remote()
+    cluster.remove_node(doomed, allow_graceful=False)  # the machine goes away, no notice, no drain
+    # The survivor's collective fails first, before Ray has seen the worker die (as a real run showed): the
+    # machine is found gone all the same.
+    survivor = RuntimeError("[gloo/transport/tcp/pair.cc:545] Read error: Connection reset by peer")
+    decision, raised = _decide({1: survivor}, group)
+    assert decision == "RETRY", raised
+    lost = raised.worker_failures[0]
+    assert lost.preempted and f"node {doomed.node_id}" in str(lost) and "went away without notice" in str(lost)
+    assert raised.worker_failures[1] is survivor  # the survivor's error kept as it was
+    gone = _failure_of(waiting)  # and once Ray has seen the worker die, not marked preempted by Ray itself
+    assert not gone.preempted
+    decision, raised = _decide({0: gone, 1: survivor}, group)
+    assert decision == "RETRY" and str(gone) in str(raised.worker_failures[0]), raised
