@@ -3,6 +3,7 @@ process, and the audit of which samples the final model was trained on."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -192,6 +193,34 @@ def _refresh_ray_config() -> None:
     from ray._raylet import Config
 # --- multi-node clusters on this machine: node loss, elastic resize, preemption notice ----------------------------
     Config.initialize("")
+
+
+@contextlib.contextmanager
+def private_cluster(head_cpus: int = 1):
+    """A ``ray.cluster_utils.Cluster`` of this test's own (a head, nodes added by the test), with this process
+    connected to it. Cluster() points this host's "current cluster" file at itself: the file is given back
+    afterwards, so that other users of this host find their own cluster."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from lightray.ray_private import address_file as ray_address_file
+
+    address_file = pathlib.Path(ray_address_file())
+    previous = address_file.read_text() if address_file.exists() else None
+    if ray.is_initialized():
+        ray.shutdown()
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "include_dashboard": False})
+    try:
+        ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        if previous is not None:
+            address_file.parent.mkdir(parents=True, exist_ok=True)
+            address_file.write_text(previous)
+        elif address_file.exists() and address_file.read_text() == c.address:
+            address_file.unlink()
 
 
 class NodeCluster:

@@ -387,29 +387,12 @@ def test_cluster_docs_walk_from_an_empty_cluster_to_a_finished_run(job, cluster)
 @pytest.fixture(scope="module")
 def ray_cluster():
     """Our own head + one worker node with a (fake) GPU: the worker stands for a GPU pod."""
-    import ray
-    import ray._private.utils as ray_utils
-    from ray.cluster_utils import Cluster
+    from tests.faults import private_cluster
 
-    # Cluster() points this host's "current cluster" file at itself; give other users of this host theirs back.
-    address_file = pathlib.Path(ray_utils.get_ray_address_file(None))
-    previous = address_file.read_text() if address_file.exists() else None
-    if ray.is_initialized():
-        ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    worker = c.add_node(num_cpus=2, num_gpus=1)
-    try:
-        ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
+    with private_cluster() as c:
+        worker = c.add_node(num_cpus=2, num_gpus=1)
         c.wait_for_nodes()
         yield worker.node_id
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        if previous is not None:
-            address_file.parent.mkdir(parents=True, exist_ok=True)
-            address_file.write_text(previous)
-        elif address_file.exists() and address_file.read_text() == c.address:
-            address_file.unlink()
 
 
 @pytest.mark.own_cluster

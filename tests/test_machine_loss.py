@@ -5,34 +5,18 @@ failure policy with no failure allowed."""
 from __future__ import annotations
 
 import os
-import pathlib
 
 import pytest
+
+from tests.faults import private_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.own_cluster]  # nodes that die
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray
-    import ray._private.utils as ray_utils
-    from ray.cluster_utils import Cluster
-
-    address_file = pathlib.Path(ray_utils.get_ray_address_file(None))
-    previous = address_file.read_text() if address_file.exists() else None
-    if ray.is_initialized():
-        ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    try:
-        ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
+    with private_cluster() as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        if previous is not None:
-            address_file.write_text(previous)
-        elif address_file.exists() and address_file.read_text() == c.address:
-            address_file.unlink()
 
 
 def _failure_of(call) -> Exception:

@@ -20,12 +20,14 @@ from tests.faults import wait_for
 ROOT = pathlib.Path(__file__).parents[1]
 
 
-def _holder_process(run_dir: pathlib.Path) -> subprocess.Popen:
-    """A real process that takes the run lock and then sleeps (until killed)."""
+def _holder_process(run_dir: pathlib.Path, host: str | None = None, clock_offset_s: float = 0.0) -> subprocess.Popen:
+    """A real process that takes the run lock and then sleeps (until killed), beating every 0.5 s; with ``host``
+    it stands for a driver on another host whose wall clock is ``clock_offset_s`` off this one's."""
     script = textwrap.dedent(f"""
         import time
         from lightray.driver.run_lock import RunLock
-        RunLock({str(run_dir)!r}, heartbeat_s=0.5).acquire()
+        RunLock({str(run_dir)!r}, heartbeat_s=0.5, host={host!r},
+                clock=lambda: time.time() + {clock_offset_s!r}).acquire()
         print("locked", flush=True)
         time.sleep(600)
     """)
@@ -64,33 +66,17 @@ def test_a_lock_left_by_a_killed_driver_is_taken_over(tmp_path, capsys):
     assert not (tmp_path / LOCK_NAME).exists()  # released on a clean exit
 
 
-def _other_host_process(run_dir: pathlib.Path, clock_offset_s: float) -> subprocess.Popen:
-    """A real driver's lock "on another host" whose wall clock is ``clock_offset_s`` off this host's; it beats
-    every 0.1 s until killed."""
-    script = textwrap.dedent(f"""
-        import time
-        from lightray.driver.run_lock import RunLock
-        RunLock({str(run_dir)!r}, heartbeat_s=0.1, host="another-node",
-                clock=lambda: time.time() + {clock_offset_s!r}).acquire()
-        print("locked", flush=True)
-        time.sleep(600)
-    """)
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "locked"
-    return proc
-
-
 def test_another_hosts_lock_is_judged_by_its_heartbeat_count_not_by_comparing_clocks(tmp_path):
     """Staleness is the holder's own heartbeat count standing still for stale_after_s of this host's clock: a live
     holder whose clock is an hour behind keeps the run; a dead one whose clock was an hour ahead loses it."""
-    behind = _other_host_process(tmp_path / "a", clock_offset_s=-3600)
+    behind = _holder_process(tmp_path / "a", host="another-node", clock_offset_s=-3600)
     try:
         with pytest.raises(RunLockedError, match="host another-node, pid"):
             RunLock(str(tmp_path / "a"), stale_after_s=2).acquire()
     finally:
         behind.kill()
         behind.wait()
-    ahead = _other_host_process(tmp_path / "b", clock_offset_s=3600)
+    ahead = _holder_process(tmp_path / "b", host="another-node", clock_offset_s=3600)
     ahead.kill()
     ahead.wait()
     assert read_holder(str(tmp_path / "b")).heartbeat > time.time() + 3000  # its last beat, "in the future"

@@ -106,10 +106,19 @@ class MachineLossCallback(ray_private.WorkerGroupCallback):
         self.rank_nodes: dict[int, str] = {}
 
     def after_worker_group_start(self, worker_group: Any) -> None:
-        self.rank_nodes = ray_private.worker_group_nodes(worker_group)
+        try:
+            self.rank_nodes = ray_private.worker_group_nodes(worker_group)
+        except Exception as exc:  # never fail a start over this; losses are then Ray's to judge
+            self.rank_nodes = {}
+            log.warning("could not read the worker group's nodes (%s): a machine lost without notice will be "
+                        "charged to scaling.max_failures", exc)
 
     def after_worker_group_poll_status(self, worker_group_status: Any) -> None:
-        failure = reclassify(worker_group_status.errors, self.rank_nodes, self.confirm_s)
+        try:
+            failure = reclassify(worker_group_status.errors, self.rank_nodes, self.confirm_s)
+        except Exception as exc:  # an error here would end the run as a controller error: leave it to Ray
+            log.warning("could not tell whether a machine of the worker group went away: %s", exc)
+            return
         if failure is not None:
             log.warning("worker group failed: %s; charged to the preemption budget, not scaling.max_failures",
                         failure)
