@@ -30,6 +30,22 @@ done
 OUT_DIR="${OUT_DIR:-${OUT:-bench/gpu_suite_logs/$(date +%Y%m%d-%H%M%S)}}"
 mkdir -p "$OUT_DIR"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false
+# The GPU machine has no Ray, pydantic or lightray (the package is the folder app/): the bundle that travels with
+# the checkout (python -m bench.gpu_bundle) is installed from its own wheels alone, then the imports checked.
+BUNDLE="${GPU_BUNDLE:-bench/gpu_bundle}"
+if ls "$BUNDLE"/*.whl >/dev/null 2>&1; then
+  SITE="${GPU_SITE:-$PWD/.gpu_site}"
+  if ! "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "$BUNDLE"/*.whl >"$OUT_DIR/install.log" 2>&1; then
+    echo "gpu_suite: installing the bundle $BUNDLE failed; see $OUT_DIR/install.log" >&2
+    exit 1
+  fi
+  export PYTHONPATH="$SITE:$PYTHONPATH"
+fi
+if ! "$PY" -c "import lightray, ray, torch; print(f'gpu_suite: ray {ray.__version__}, torch {torch.__version__}, \
+lightray from {lightray.__path__[0]}')" >&2; then
+  echo "gpu_suite: lightray, Ray or torch does not import; build the bundle here: python -m bench.gpu_bundle" >&2
+  exit 1
+fi
 STEPS=(env tput128 tput224 e2e pipeline comm resume sync)
 SYNC_TEST=tests/test_step_sync.py::test_steady_state_steps_never_synchronise_with_the_host
 

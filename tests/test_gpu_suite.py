@@ -5,9 +5,9 @@ summary line per step and the suite's JSON line."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
+import sys
 
 import pytest
 
@@ -38,12 +38,18 @@ def test_a_step_is_ok_only_with_its_json_line_and_a_cuda_skip_passes_only_in_the
 
 
 @pytest.mark.slow
-def test_gpu_suite_dry_run_names_every_step_and_prints_the_json_line(tmp_path):
-    env = {**os.environ, "OUT_DIR": str(tmp_path / "logs")}
-    out = subprocess.run(["bash", "bench/gpu_suite.sh", "--dry-run"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=600)
+def test_gpu_suite_dry_run_from_the_bundle_alone_names_every_step_and_prints_the_json_line(tmp_path):
+    """The rehearsal (bench/gpu_rehearsal.py): the GPU machine's bundle built and sized, and the dry run driven by
+    a Python that holds only the GPU machine's packages, with lightray, Ray and pydantic from the bundle alone."""
+    out = subprocess.run([sys.executable, "-m", "bench.gpu_rehearsal", "--out-dir", str(tmp_path / "logs")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
+    rehearsal = json.loads(lines.pop())
+    assert rehearsal["fits"] and rehearsal["with_checkout_mib"] <= 60 and rehearsal["suite_rc"] == 0, rehearsal
+    assert rehearsal["ray_dropped_mib"] > 30  # ray/jars and the rest a Python-only run never loads
+    installed = [ln for ln in out.stderr.splitlines() if ln.startswith("gpu_suite: ray ")]
+    assert len(installed) == 1 and "lightray from " in installed[0] and "gpu-rehearsal-" in installed[0], installed
     for step in STEPS:
         got = [ln for ln in lines if ln.startswith(f"step {step}: ")]
         assert len(got) == 1, out.stdout
