@@ -40,7 +40,10 @@ def pytest_collection_modifyitems(config, items):
 def shared_dir(tmp_path_factory) -> pathlib.Path:
     """The folder shared by every test of this CI run (LIGHTRAY_TEST_SHARED) or else of this session."""
     given = os.environ.get("LIGHTRAY_TEST_SHARED")
-    path = pathlib.Path(given) if given else tmp_path_factory.getbasetemp() / "shared"
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each pytest-xdist process has its own temp folder under the run's
+        base = base.parent
+    path = pathlib.Path(given) if given else base / "shared"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -113,16 +116,22 @@ def ray_cluster():
 def finished_run(tmp_path_factory, shared_cache) -> pathlib.Path:
     """One finished smoke run, read by every test that only reads one (see tests/finished_run.py)."""
     from tests.finished_run import finished_run as make
+    from tests.once import one_maker
 
-    return make(shared_dir(tmp_path_factory), shared_cache)
+    shared = shared_dir(tmp_path_factory)
+    with one_maker(shared / "finished-run"):
+        return make(shared, shared_cache)
 
 
 @pytest.fixture(scope="session")
 def lightray_wheel(tmp_path_factory) -> pathlib.Path:
     """The wheel, built once per run from exactly the files the Dockerfile copies (see tests/wheel.py)."""
+    from tests.once import one_maker
     from tests.wheel import build_wheel
 
-    return build_wheel(shared_dir(tmp_path_factory) / "wheel")
+    folder = shared_dir(tmp_path_factory) / "wheel"
+    with one_maker(folder):
+        return build_wheel(folder)
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import pathlib
 import shutil
 
 from tests.faults import driver, finish
+from tests.once import one_maker
 from tests.photos import photo_tree
 
 NAME = "finished"
@@ -29,10 +30,11 @@ TOP1_TARGET = 0.9
 def photos(shared: pathlib.Path) -> pathlib.Path:
     """The run's source: 90 train and 24 val photos a class (the smoke recipe takes 256 and 64 of them)."""
     root = shared / "finished-run-photos"
-    if not (root / "done").is_file():
-        shutil.rmtree(root, ignore_errors=True)
-        photo_tree(root, 64, per_class=90, val_per_class=24)
-        (root / "done").write_text("")
+    with one_maker(root):
+        if not (root / "done").is_file():
+            shutil.rmtree(root, ignore_errors=True)
+            photo_tree(root, 64, per_class=90, val_per_class=24)
+            (root / "done").write_text("")
     return root
 
 

@@ -247,3 +247,32 @@ def test_gpu_check_cpu_dry_run_prints_bench_json():
     assert out["ratios"]["lightray_over_plain"] > 0
     assert out["machine"]["device"] == "cpu" and out["machine"]["dry_run"] is True
     assert sys.version.split()[0] in out["machine"]["python"]
+
+
+def test_the_worker_code_of_a_lightray_model_loads_without_torchvision_or_dynamo():
+    """A Train worker and the driver import the worker code at every start; torchvision (and torch._dynamo,
+    which torchvision.ops pulls in) cost each about 2 s there, for a model that needs neither."""
+    probe = ("import sys, json, lightray.train.worker, lightray.report.summary as s; v = s.versions(); "
+             "loaded = [m for m in ('torchvision', 'torch._dynamo') if m in sys.modules]; "
+             "print(json.dumps(loaded + [v['torchvision']]))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import torchvision
+
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [torchvision.__version__]
+
+
+def test_the_tiny_resnets_basic_block_is_torchvisions_in_names_and_outputs():
+    from torchvision.models.resnet import BasicBlock as TorchvisionBlock
+
+    from lightray.train.model import BasicBlock
+
+    torch.manual_seed(0)
+    down = nn.Sequential(nn.Conv2d(8, 16, 1, stride=2, bias=False), nn.BatchNorm2d(16))
+    ours, theirs = BasicBlock(8, 16, stride=2, downsample=down), TorchvisionBlock(8, 16, stride=2, downsample=down)
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 8, 12, 12)
+    torch.testing.assert_close(ours.eval()(x), theirs.eval()(x), rtol=0, atol=0)
+    # zero_init_residual finds both kinds of block
+    assert residual_last_bns(nn.Sequential(ours, theirs)) == [ours.bn2, theirs.bn2]

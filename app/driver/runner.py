@@ -20,7 +20,7 @@ import ray
 import yaml
 
 from lightray import ray_private, startup
-from lightray.config import Config, ConfigError, default_eval_resolution
+from lightray.config import Config, ConfigError, check_arch, default_eval_resolution
 from lightray.data.ingest import (
     IngestSpec,
     PhaseSpec,
@@ -210,10 +210,15 @@ def run_training(cfg: Config, *, resume: bool = False, progress: bool = True, ve
     driver on a run that a live driver holds raises RunLockedError (a FileExistsError: exit status 2)."""
     from lightray.driver.run_lock import RunLock
 
-    # The worker code (torch, torchvision, torch._dynamo) is imported first, while the working directory
-    # exists: torch._dynamo reads os.getcwd() at import, and a Ray job's driver can lose its working
-    # directory (the unpacked working_dir package) once Ray is up, which failed the job at trainer build.
+    # The worker code (torch, and torchvision with torch._dynamo for a torchvision model) is imported first,
+    # while the working directory exists: torch._dynamo reads os.getcwd() at import, and a Ray job's driver can
+    # lose its working directory (the unpacked working_dir package) once Ray is up, which failed the job at
+    # trainer build. lightray's own models need neither torchvision nor torch._dynamo (2 s of every start).
     from lightray.train.worker import train_loop_per_worker  # noqa: F401
+
+    if check_arch(cfg.model.arch) == "torchvision" or cfg.model.compile:
+        import torch._dynamo  # noqa: F401
+        import torchvision  # noqa: F401
 
     resolve_run(cfg, resume)
     # Before anything else touches the run folder: a second driver must not even check its checkpoints.

@@ -17,10 +17,29 @@ from lightray.provenance import git_revision
 def versions() -> dict[str, str]:
     import ray
     import torch
-    import torchvision
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "torchvision": torchvision.__version__,
+    return {"python": platform.python_version(), "torch": torch.__version__, "torchvision": _torchvision_version(),
             "ray": ray.__version__}
+
+
+def _torchvision_version() -> str:
+    """torchvision's version as its module says it (``0.29.1+cu130``, the local build tag included), without
+    importing it when nothing did yet: that costs the driver about 2 s (torchvision.ops loads torch._dynamo)."""
+    import importlib.util
+    import pathlib
+    import re
+    import sys
+
+    loaded = sys.modules.get("torchvision")
+    if loaded is not None:
+        return loaded.__version__
+    spec = importlib.util.find_spec("torchvision")  # finds the package without running its __init__
+    if spec is None or not spec.submodule_search_locations:
+        return "not installed"
+    # torchvision's generated version.py: "__version__ = '0.29.1+cu130'"
+    text = (pathlib.Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text()
+    found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.M)
+    return found.group(1) if found else "unknown"
 
 
 def hardware(use_gpu: bool) -> dict[str, Any]:

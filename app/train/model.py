@@ -10,14 +10,39 @@ tensor-core convolution kernels without transposes).
 from __future__ import annotations
 
 import torch
-import torchvision
 from torch import nn
-from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from lightray.comm.global_bn import to_global_bn
 from lightray.config import TIMM_PREFIX, ModelConfig, check_arch
 from lightray.train.device import unwrap_model  # noqa: F401  (re-exported)
 from lightray.units import unit_log
+
+
+def _conv3x3(in_ch: int, out_ch: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(in_ch, out_ch, 3, stride=stride, padding=1, bias=False)
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet BasicBlock, with its parameter names (``conv1``, ``bn1``, ``conv2``, ``bn2``,
+    ``downsample``), so weights and checkpoints are interchangeable. Written here because importing torchvision
+    costs about 2 s a process on this 2-core machine (torchvision.ops pulls in torch._dynamo), paid by the driver
+    and every Train worker of a run that never uses a torchvision model."""
+
+    def __init__(self, in_ch: int, out_ch: int, stride: int = 1, downsample: nn.Module | None = None):
+        super().__init__()
+        self.conv1 = _conv3x3(in_ch, out_ch, stride)
+        self.bn1 = nn.BatchNorm2d(out_ch)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = _conv3x3(out_ch, out_ch)
+        self.bn2 = nn.BatchNorm2d(out_ch)
+        self.downsample = downsample
+        self.stride = stride
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + identity)
 
 
 class TinyResNet(nn.Module):
@@ -104,12 +129,21 @@ class CifarVGG(nn.Module):
 def residual_last_bns(model: nn.Module) -> list[nn.BatchNorm2d]:
     """The BN closing the residual branch of every block (bn2 of a BasicBlock, bn3 of a Bottleneck)."""
     out: list[nn.BatchNorm2d] = []
+    blocks = (BasicBlock, *_torchvision_blocks())
     for m in model.modules():
-        if isinstance(m, Bottleneck):
-            out.append(m.bn3)
-        elif isinstance(m, BasicBlock):
-            out.append(m.bn2)
+        if not isinstance(m, blocks):
+            continue
+        out.append(m.bn3 if hasattr(m, "bn3") else m.bn2)  # a Bottleneck closes on bn3, a BasicBlock on bn2
     return out
+
+
+def _torchvision_blocks() -> tuple[type, ...]:
+    """torchvision's residual blocks, when torchvision is already loaded (a torchvision model was built): a model
+    of lightray's own has none, so it need not import it."""
+    import sys
+
+    resnet = sys.modules.get("torchvision.models.resnet")
+    return (resnet.BasicBlock, resnet.Bottleneck) if resnet is not None else ()
 
 
 def _create(arch: str, num_classes: int, zero_init_residual: bool, widths: tuple[int, ...] = ()) -> nn.Module:
@@ -118,6 +152,8 @@ def _create(arch: str, num_classes: int, zero_init_residual: bool, widths: tuple
         net = CifarVGG if arch == "cifar_vgg" else TinyResNet
         return net(num_classes, widths) if widths else net(num_classes)
     if family == "torchvision":
+        import torchvision  # only for its models: it costs every process about 2 s to import
+
         # zero_init_residual is applied by build_model for every arch the same way, so it is not passed here.
         return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
     import timm
