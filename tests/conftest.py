@@ -12,6 +12,14 @@ import pathlib
 
 import pytest
 
+# Each test's busy CPU-seconds, and a table of the heaviest at the end of the run (tests/cpu_time.py).
+from tests.cpu_time import (  # noqa: F401
+    pytest_runtest_logreport,
+    pytest_runtest_makereport,
+    pytest_runtest_protocol,
+    pytest_terminal_summary,
+)
+
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}

@@ -16,7 +16,7 @@ from bench.gpu_suite_summary import key_figures, last_json, status
 from tests.test_pipeline_bench import check_pipeline
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-STEPS = ("env", "tput128", "tput224", "e2e", "pipeline", "comm", "resume", "sync")
+STEPS = ("env", "tput128", "tput224", "e2e", "resume", "pipeline", "comm", "sync")  # the order they run in
 
 
 def test_gpu_suite_script_is_valid_bash():
@@ -50,6 +50,8 @@ def test_gpu_suite_dry_run_from_the_bundle_alone_names_every_step_and_prints_the
     assert rehearsal["ray_dropped_mib"] > 30  # ray/jars and the rest a Python-only run never loads
     installed = [ln for ln in out.stderr.splitlines() if ln.startswith("gpu_suite: ray ")]
     assert len(installed) == 1 and "lightray from " in installed[0] and "gpu-rehearsal-" in installed[0], installed
+    # One line a step, in the order they run: the headline figures first.
+    assert [ln.split(":")[0].removeprefix("step ") for ln in lines if ln.startswith("step ")] == list(STEPS)
     for step in STEPS:
         got = [ln for ln in lines if ln.startswith(f"step {step}: ")]
         assert len(got) == 1, out.stdout
