@@ -419,16 +419,23 @@ def compress_overhead(batch: int, ratio: float, reps: int = 3, device: torch.dev
     from lightray.config import CommConfig
 
     device = device or torch.device("cpu")
-    model = _model("resnet50").to(device)
+    # The step the compression is set against is the one lightray trains with: channels_last, under bf16
+    # autocast on a GPU (fp32 on a CPU, as lightray's auto precision picks there). An fp32 NCHW step on the GPU
+    # takes 2-3x as long and understated the compression's share.
+    bf16 = device.type == "cuda"
+    model = _model("resnet50").to(device).to(memory_format=torch.channels_last)
     buckets = _buckets(model, BUCKET_MB)
     x = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(0)).to(device)
+    x = x.contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (batch,), generator=torch.Generator().manual_seed(1)).to(device)
     fb = []
     for _ in range(2 if device.type == "cpu" else 4):
         model.zero_grad()
         _sync(device)
         t0 = time.perf_counter()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
         _sync(device)
         fb.append(time.perf_counter() - t0)
     grads = {n: p.grad.reshape(-1).clone() for n, p in model.named_parameters()}
@@ -440,8 +447,10 @@ def compress_overhead(batch: int, ratio: float, reps: int = 3, device: torch.dev
     elements = sum(n for b in buckets for _, n in b)
     out: dict[str, Any] = {"device": str(device), "batch": batch, "resolution": 224, "payload": PAYLOAD,
                            "threads": torch.get_num_threads(), "forward_backward_s": round(min(fb), 4),
+                           "step_as": f"{'bf16 autocast' if bf16 else 'fp32'}, channels_last",
                            "buckets": len(buckets), "elements": elements, "ratio": ratio, "seconds": {},
-                           "cast_bf16_s": round(comm_auto.time_cast(elements, torch.bfloat16, device), 5)}
+                           "cast_bf16_s": round(comm_auto.time_cast(elements, torch.bfloat16, device), 5),
+                           "cast_fp16_s": round(comm_auto.time_cast(elements, torch.float16, device), 5)}
     for name, kw in variants.items():
         hook = CommHook(CommConfig(mode="topk", ratio=ratio, warmup_steps=0, payload=PAYLOAD, **kw), topo, device)
         hook.optimizer_momentum(0.9)
@@ -462,7 +471,38 @@ def compress_overhead(batch: int, ratio: float, reps: int = 3, device: torch.dev
         out[f"frac_{name}"] = round(best / min(fb), 4)
         if name == "sampled":
             out["sampled_selection"] = hook.selection.plain()  # plain ints: some counts stay on the device
+    out["hierarchical_topk"] = _hierarchical_overhead(buckets, grads, ratio, reps, device, topo, min(fb))
     return out
+
+
+def _hierarchical_overhead(buckets: list[list[tuple[str, int]]], grads: dict[str, torch.Tensor], ratio: float,
+                           reps: int, device: torch.device, topo: Any, step_s: float,
+                           node_size: int = GPUS_PER_NODE, nodes: int = NODES) -> dict[str, Any]:
+    """Hierarchical top-k's own compute per worker and step, timed on its own path (lightray.comm.hook's
+    ``_hierarchical`` without its collectives): the node sum's fp32 copy, the accumulation and top-k over this
+    worker's 1/``node_size`` chunk of each bucket, and the scatter-sum of the ``nodes`` nodes' packed chunks."""
+    from lightray.comm.hook import CommHook
+    from lightray.config import CommConfig
+
+    hook = CommHook(CommConfig(mode="topk", ratio=ratio, warmup_steps=0, payload=PAYLOAD, selection=SELECTION),
+                    topo, device)
+    hook.optimizer_momentum(0.9)
+    flats = [torch.cat([grads[n] for n, _ in b]) for b in buckets]
+    best = float("inf")
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        for i, (flat, layout) in enumerate(zip(flats, buckets)):
+            n = flat.numel()
+            c = math.ceil(n / node_size)
+            node_sum = flat.float().clone()
+            acc, residual, u = hook._accumulate(node_sum[:c], i, layout, n, 0, c, float(node_size))
+            packed, k = hook._sparsify(acc, residual, u)
+            hook._scatter_sum([packed] * nodes, k, c, device).div_(node_size * nodes)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return {"seconds": round(best, 4), "frac": round(best / step_s, 4), "node_size": node_size, "nodes": nodes,
+            "selection": SELECTION}
 
 
 def crossover_here(elements: int, workers: int, compress_s: float, cast_s: float, overlap_s: float,
@@ -519,17 +559,19 @@ def accuracy(storage: str, extra: list[str], epochs: float | None, plain: bool,
 
 
 def overhead_only(args: argparse.Namespace, machine: Machine, argv: list[str] | None) -> None:
-    """The compression's own compute per comm mode at ResNet-50 size on ``--device``: dense costs nothing;
-    fp16/bf16 one cast of the gradient (bf16 timed; fp16 is the same size); topk and hierarchical_topk the
-    hook's selection, packing and error feedback (exact and sampled selection, with and without the DGC units).
+    """The compression's own compute per comm mode at ResNet-50 size on ``--device``, against the training step
+    (bf16 channels_last on a GPU): dense costs nothing; fp16 and bf16 one cast of the gradient each; topk the
+    hook's selection, packing and error feedback (exact and sampled selection, with and without the DGC units);
+    hierarchical_topk its own path over a worker's chunk of a node of ``GPUS_PER_NODE``.
     PowerSGD's compute is not timed here (the projection keeps it at 0: a lower bound)."""
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench.comm --overhead-only: --device cuda but no CUDA device is visible")
     over = compress_overhead(args.overhead_batch, RATIO, reps=args.overhead_reps, device=device)
     sel = over["seconds"][SELECTION]
-    per_mode = {"dense": 0.0, "fp16": over["cast_bf16_s"], "bf16": over["cast_bf16_s"], "topk": sel,
-                "hierarchical_topk": sel, "powersgd": None}
+    # Every mode its own measurement: fp16 and bf16 casts timed each, hierarchical top-k on its own path.
+    per_mode = {"dense": 0.0, "fp16": over["cast_fp16_s"], "bf16": over["cast_bf16_s"], "topk": sel,
+                "hierarchical_topk": over["hierarchical_topk"]["seconds"], "powersgd": None}
     figures = {"compress_overhead": over, "per_mode_s": per_mode, "selection": SELECTION, "ratio": RATIO,
                "compression_cost_measured_on": device.type,
                "per_mode_frac_of_forward_backward": {m: None if v is None else round(v / over["forward_backward_s"], 4)

@@ -7,9 +7,9 @@ label-smoothed CE -> backward -> SGD+Nesterov step):
                     fused SGD -- the units of app/train/{device,model,optim}.py
   lightray_compile  lightray + torch.compile (GPU only; eager on CPU, reported as compile_applied=false)
   plain_bf16        plain PyTorch done right: bf16 autocast (the precision lightray's auto picks), channels_last,
-                    cudnn.benchmark on, torch's default SGD kernel, zero-init off -- the fair comparator for
-                    lightray (plain fp32 flatters it)
-  plain_bf16_compile  plain_bf16 + torch.compile, the comparator for lightray_compile
+                    cudnn.benchmark and TF32 on, torch's fused SGD kernel on CUDA (lightray's), zero-init off --
+                    the fair comparator for lightray (plain fp32 flatters it)
+  plain_bf16_compile  plain_bf16 + plain ``torch.compile(model)``, the comparator for lightray_compile
 
 Reference: NVIDIA's PyTorch ResNet-50 v1.5 AMP training reaches about 2,500 img/s on one A100 80GB;
 the target for one H200 is >= 3,000.
@@ -68,15 +68,20 @@ def _variant_configs(name: str, args: argparse.Namespace,
         if not plain:
             dev.enable_cudnn_benchmark(mcfg, device)
         elif not fp32_plain:
-            torch.backends.cudnn.benchmark = True  # what a careful plain-PyTorch user sets by hand
+            # What a careful plain-PyTorch user sets by hand, and what lightray's tf32 default sets: the same
+            # TF32 on both sides, so the ratio is not TF32's.
+            torch.backends.cudnn.benchmark = True
+            torch.backends.cuda.matmul.allow_tf32 = True
     return mcfg, ocfg, plain
 
 
-def _optimizer(model: torch.nn.Module, ocfg: OptimConfig, plain: bool, device: torch.device) -> torch.optim.Optimizer:
-    """The variant's optimiser at LR 0.1 and momentum 0.9: torch's own SGD for plain variants, lightray's else."""
-    if plain:  # torch's out-of-the-box SGD (foreach on CUDA), decay on every tensor
+def _optimizer(model: torch.nn.Module, ocfg: OptimConfig, plain: bool, device: torch.device,
+               fused: bool = False) -> torch.optim.Optimizer:
+    """The variant's optimiser at LR 0.1 and momentum 0.9: torch's own SGD for plain variants (its fused kernel
+    with ``fused``, which lightray's SGD uses on CUDA; else torch's default, foreach on CUDA), lightray's else."""
+    if plain:  # torch's SGD, decay on every tensor
         opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True,
-                                                     weight_decay=5e-5)
+                                                     weight_decay=5e-5, **({"fused": True} if fused else {}))
     else:
         opt = build_optimizer(model, ocfg, device)
     set_lr_momentum(opt, 0.1, 0.9)
@@ -118,9 +123,15 @@ def run_variant(name: str, args: argparse.Namespace, device: torch.device) -> di
     model = to_device(build_model(mcfg, args.classes), device, mcfg)
     precision = dev.precision_for(mcfg, device)
     scaler = dev.make_grad_scaler(precision, device)
-    opt = _optimizer(model, ocfg, plain, device)
+    # Plain PyTorch done right takes the fused kernel where lightray does (CUDA); the out-of-the-box plain fp32
+    # keeps torch's default.
+    fused_plain = plain and name != "plain" and device.type == "cuda"
+    opt = _optimizer(model, ocfg, plain, device, fused=fused_plain)
     loss_fn = build_loss(ocfg)
-    step_model = dev.maybe_compile(model, mcfg, device)
+    if plain:  # plain torch.compile, not lightray's wrapper; on the GPU only, as lightray compiles
+        step_model = torch.compile(model) if mcfg.compile and device.type == "cuda" else model
+    else:
+        step_model = dev.maybe_compile(model, mcfg, device)
     compile_applied = step_model is not model
     images, labels = _batches(args, device)
 
@@ -140,7 +151,9 @@ def run_variant(name: str, args: argparse.Namespace, device: torch.device) -> di
     if not torch.isfinite(torch.tensor(final_loss)):
         raise RuntimeError(f"{name}: loss became {final_loss}")
     out = {"img_s": statistics.median(rates), "img_s_min": min(rates), "img_s_max": max(rates),
-           "warmup_s": warmup_s, "precision": precision, "compile_applied": compile_applied, "loss": final_loss}
+           "warmup_s": warmup_s, "precision": precision, "compile_applied": compile_applied, "loss": final_loss,
+           "sgd_kernel": "fused" if (fused_plain or (not plain and ocfg.fused and device.type == "cuda")) else
+           "default", "tf32_matmul": device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32}
     if device.type == "cuda":
         out["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         torch.cuda.reset_peak_memory_stats(device)
@@ -200,6 +213,7 @@ def _variant_figures(results: dict[str, dict[str, Any]], figures: dict[str, Any]
         figures[f"{v}_img_s_range"] = [_r(r["img_s_min"]), _r(r["img_s_max"])]
         figures[f"{v}_warmup_s"] = round(r["warmup_s"], 2)
         figures[f"{v}_precision"] = r["precision"]
+        figures[f"{v}_sgd_kernel"], figures[f"{v}_tf32_matmul"] = r["sgd_kernel"], r["tf32_matmul"]
         figures[f"{v}_compile_applied"] = r["compile_applied"]
         if "peak_mem_gib" in r:
             figures[f"{v}_peak_mem_gib"] = round(r["peak_mem_gib"], 2)

@@ -59,6 +59,15 @@ def test_gpu_suite_dry_run_from_the_bundle_alone_names_every_step_and_prints_the
         assert (tmp_path / "logs" / f"{step}.log").is_file()
     res = json.loads(lines[-1])
     assert res["bench"] == "gpu_suite" and set(res["figures"]) == set(STEPS)
+    # The comm step sets each mode's compression cost against the training step (fp32 channels_last on a CPU,
+    # bf16 channels_last on a GPU), each mode measured on its own: no mode's time copied from another's.
+    comm = last_json((tmp_path / "logs" / "comm.log").read_text())["figures"]
+    over, per_mode = comm["compress_overhead"], comm["per_mode_s"]
+    assert over["step_as"] == "fp32, channels_last"
+    assert (per_mode["fp16"], per_mode["bf16"]) == (over["cast_fp16_s"], over["cast_bf16_s"])
+    assert per_mode["topk"] == over["seconds"]["sampled"]
+    hier = over["hierarchical_topk"]
+    assert per_mode["hierarchical_topk"] == hier["seconds"] > 0 and hier["node_size"] == 8, hier
     assert res["machine"]["dry_run"] is True
     assert res["figures"]["sync"]["status"] == "skipped (no CUDA)"
     assert res["figures"]["comm"]["figures"]["compression_cost_measured_on"] == "cpu"
