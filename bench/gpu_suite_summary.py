@@ -68,7 +68,9 @@ def key_figures(step: str, res: dict[str, Any] | None, log: str) -> dict[str, An
     if step == "resume":
         if "skipped" in f:
             return {"skipped": f["skipped"]}
-        return {k: f.get(k) for k in ("exact", "bitwise", "max_abs_diff")}
+        resume, noise = f.get("resume", {}), f.get("noise", {})
+        return {"exact": f.get("exact"), "bitwise": resume.get("bitwise"), "max_abs_diff": resume.get("max_abs_diff"),
+                "uninterrupted_max_abs_diff": noise.get("max_abs_diff")}
     return {}
 
 

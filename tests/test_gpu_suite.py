@@ -86,3 +86,22 @@ def test_gpu_suite_dry_run_from_the_bundle_alone_names_every_step_and_prints_the
         assert ph["ratio"] == pytest.approx(ph["e2e_img_s"] / ph["synthetic_img_s"], rel=0.01)
         assert 0.0 <= ph["data_wait_frac"] <= 1.0
         assert (ph["starved_by"] is None) == (ph["ratio"] >= GOAL)
+
+
+def test_a_resumed_run_is_judged_against_the_spread_of_two_uninterrupted_ones():
+    import torch
+
+    from bench.gpu_resume import judge
+
+    def model(*offsets: float) -> dict[str, torch.Tensor]:
+        base = torch.linspace(-1, 1, 64)
+        return {f"w{i}": base + o for i, o in enumerate(offsets)}
+
+    whole = model(0.0, 0.0)
+    noisy = model(0.0, 3e-4)  # a second uninterrupted run, bf16 and cudnn.benchmark's last bits apart
+    # As far off as the noise: a correct resume, which the old fixed tolerance (rtol 1e-4, atol 1e-5) failed.
+    assert judge(whole, noisy, model(0.0, -4e-4))["exact"]
+    assert not judge(whole, noisy, model(0.0, 5e-3))["exact"]  # far past the noise: a wrong one
+    assert not judge(whole, model(0.0, 0.0), model(0.0, 1e-7))["exact"]  # uninterrupted runs agree bitwise: so must it
+    assert judge(whole, model(0.0, 0.0), model(0.0, 0.0))["exact"]
+    assert not judge(whole, noisy, {"other": torch.zeros(1)})["exact"]  # another model altogether
