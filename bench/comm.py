@@ -80,6 +80,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -414,9 +415,7 @@ def compress_overhead(batch: int, ratio: float, reps: int = 3, device: torch.dev
     """Seconds of the hook's own compute per step over ResNet-50's gradient buckets, per selection method
     and with/without the DGC units, against a measured ResNet-50 forward + backward on ``device`` (this CPU)."""
     from lightray.comm.compress import k_for, payload_nbytes
-    from lightray.comm.hook import CommHook
     from lightray.comm.topology import Topology
-    from lightray.config import CommConfig
 
     device = device or torch.device("cpu")
     # The step the compression is set against is the one lightray trains with: channels_last, under bf16
@@ -451,47 +450,58 @@ def compress_overhead(batch: int, ratio: float, reps: int = 3, device: torch.dev
                            "buckets": len(buckets), "elements": elements, "ratio": ratio, "seconds": {},
                            "cast_bf16_s": round(comm_auto.time_cast(elements, torch.bfloat16, device), 5),
                            "cast_fp16_s": round(comm_auto.time_cast(elements, torch.float16, device), 5)}
+    flats = [torch.cat([grads[n] for n, _ in b]) for b in buckets]
     for name, kw in variants.items():
-        hook = CommHook(CommConfig(mode="topk", ratio=ratio, warmup_steps=0, payload=PAYLOAD, **kw), topo, device)
-        hook.optimizer_momentum(0.9)
-        flats = [torch.cat([grads[n] for n, _ in b]) for b in buckets]
-        best = float("inf")
-        for _ in range(reps):
-            _sync(device)
-            t0 = time.perf_counter()
+        hook = _topk_hook(ratio, topo, device, **kw)
+
+        def flat_topk(hook=hook) -> None:
             for i, (flat, layout) in enumerate(zip(flats, buckets)):
                 acc, residual, u = hook._accumulate(flat, i, layout, flat.numel(), 0, flat.numel(), 1.0)
                 segments = [m for _, m in layout] if hook.cfg.per_layer else None
                 packed, k = hook._sparsify(acc, residual, u, segments)
                 assert k == sum(k_for(hook.ratio_now, m) for m in segments or [flat.numel()])
                 assert packed.numel() * packed.element_size() == payload_nbytes(k, flat.numel(), PAYLOAD)
-            _sync(device)
-            best = min(best, time.perf_counter() - t0)
+
+        best = _best_seconds(flat_topk, reps, device)
         out["seconds"][name] = round(best, 4)
         out[f"frac_{name}"] = round(best / min(fb), 4)
         if name == "sampled":
             out["sampled_selection"] = hook.selection.plain()  # plain ints: some counts stay on the device
-    out["hierarchical_topk"] = _hierarchical_overhead(buckets, grads, ratio, reps, device, topo, min(fb))
+    out["hierarchical_topk"] = _hierarchical_overhead(buckets, flats, ratio, reps, device, topo, min(fb))
     return out
 
 
-def _hierarchical_overhead(buckets: list[list[tuple[str, int]]], grads: dict[str, torch.Tensor], ratio: float,
+def _topk_hook(ratio: float, topo: Any, device: torch.device, **kw: Any) -> Any:
+    """A top-k CommHook for timing its compute alone (no process group is used)."""
+    from lightray.comm.hook import CommHook
+    from lightray.config import CommConfig
+
+    hook = CommHook(CommConfig(mode="topk", ratio=ratio, warmup_steps=0, payload=PAYLOAD, **kw), topo, device)
+    hook.optimizer_momentum(0.9)
+    return hook
+
+
+def _best_seconds(work: Callable[[], None], reps: int, device: torch.device) -> float:
+    """The fastest of ``reps`` timed calls of ``work``, the device synchronised around each."""
+    best = float("inf")
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        work()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _hierarchical_overhead(buckets: list[list[tuple[str, int]]], flats: list[torch.Tensor], ratio: float,
                            reps: int, device: torch.device, topo: Any, step_s: float,
                            node_size: int = GPUS_PER_NODE, nodes: int = NODES) -> dict[str, Any]:
     """Hierarchical top-k's own compute per worker and step, timed on its own path (lightray.comm.hook's
     ``_hierarchical`` without its collectives): the node sum's fp32 copy, the accumulation and top-k over this
     worker's 1/``node_size`` chunk of each bucket, and the scatter-sum of the ``nodes`` nodes' packed chunks."""
-    from lightray.comm.hook import CommHook
-    from lightray.config import CommConfig
+    hook = _topk_hook(ratio, topo, device, selection=SELECTION)
 
-    hook = CommHook(CommConfig(mode="topk", ratio=ratio, warmup_steps=0, payload=PAYLOAD, selection=SELECTION),
-                    topo, device)
-    hook.optimizer_momentum(0.9)
-    flats = [torch.cat([grads[n] for n, _ in b]) for b in buckets]
-    best = float("inf")
-    for _ in range(reps):
-        _sync(device)
-        t0 = time.perf_counter()
+    def hierarchical() -> None:
         for i, (flat, layout) in enumerate(zip(flats, buckets)):
             n = flat.numel()
             c = math.ceil(n / node_size)
@@ -499,8 +509,8 @@ def _hierarchical_overhead(buckets: list[list[tuple[str, int]]], grads: dict[str
             acc, residual, u = hook._accumulate(node_sum[:c], i, layout, n, 0, c, float(node_size))
             packed, k = hook._sparsify(acc, residual, u)
             hook._scatter_sum([packed] * nodes, k, c, device).div_(node_size * nodes)
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
+
+    best = _best_seconds(hierarchical, reps, device)
     return {"seconds": round(best, 4), "frac": round(best / step_s, 4), "node_size": node_size, "nodes": nodes,
             "selection": SELECTION}
 
