@@ -151,6 +151,7 @@ def one_worker_runs(tmp_path: pathlib.Path, runs: dict[str, dict]) -> dict[str, 
 
 
 @pytest.mark.slow  # spawns a trainer per rank
+@pytest.mark.shares_cpu
 @pytest.mark.timeout(300)
 def test_one_worker_in_4_micro_steps_takes_the_steps_of_4_workers(tmp_path):
     procs = spawn_group(tmp_path, 4, {})
@@ -185,6 +186,7 @@ def test_one_worker_in_4_micro_steps_takes_the_steps_of_4_workers(tmp_path):
 
 
 @pytest.mark.slow  # spawns a trainer per rank
+@pytest.mark.shares_cpu
 @pytest.mark.timeout(300)
 def test_two_workers_accumulate_under_no_sync_with_one_agreed_cap(tmp_path):
     """2 ranks x 2 micro-steps x 4: the first micro-step's gradients stay local (no_sync), the second's backward

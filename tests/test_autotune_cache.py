@@ -28,6 +28,7 @@ def _spec(tmp_path):
 
 
 @pytest.mark.slow  # two calibrations on Ray
+@pytest.mark.shares_cpu
 def test_second_start_reuses_the_calibration_of_the_same_data_on_this_machine(tmp_path, ray_local):
     spec = _spec(tmp_path)
     first = autotune.apply(spec, seconds=1.0, train_cpus=1.0)

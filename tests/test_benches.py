@@ -266,6 +266,7 @@ def test_time_to_accuracy_on_cifar10_runs_the_same_recipe_plain_and_names_the_ra
 
 
 @pytest.mark.slow  # the bench end to end
+@pytest.mark.shares_cpu
 def test_ray_data_gap_bench_times_ray_data_and_plain_tasks_against_the_ideal():
     out = subprocess.run([sys.executable, "-m", "bench.ray_data_gap", "--quick"], cwd=REPO, capture_output=True,
                          text=True, timeout=300)

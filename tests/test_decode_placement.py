@@ -106,6 +106,7 @@ def test_the_gpu_probe_is_a_one_gpu_ray_task_and_a_cluster_without_gpus_is_not_p
 
 
 @pytest.mark.slow  # a cluster of its own
+@pytest.mark.shares_cpu
 @pytest.mark.own_cluster
 def test_auto_on_a_gpu_cluster_probes_in_a_ray_task_and_leaves_the_driver_cuda_free(jpeg_manifest, tmp_path):
     # A cluster that declares one GPU on a machine without one: the whole auto path runs (CPU timing, core count,

@@ -162,6 +162,7 @@ def _accuracy(model: torch.nn.Module, xs: np.ndarray, ys: np.ndarray) -> float:
 
 
 @pytest.mark.slow  # two trainings
+@pytest.mark.shares_cpu
 def test_finetune_from_a_weights_file_beats_training_from_scratch(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small convolutions on a shared 2-core machine: threads only contend

@@ -26,7 +26,7 @@ from lightray.config import load_config
 from lightray.train import device as dev
 from tests.test_step_sync import batches, make_trainer, one_rank_group  # noqa: F401 (a fixture)
 
-pytestmark = pytest.mark.slow  # a compiled run and two compiles: about 2 minutes on 2 cores
+pytestmark = [pytest.mark.slow, pytest.mark.shares_cpu]  # a compiled run and two compiles: about 2 minutes on 2 cores
 
 COMPILE_ON_CPU = {"model.precision": "bf16", "model.compile": True, "model.compile_on_cpu": True}
 

@@ -11,7 +11,7 @@ import pytest
 from lightray.config import ConfigError, load_config
 from lightray.train.state import list_checkpoints
 
-pytestmark = pytest.mark.slow  # three real runs in this process
+pytestmark = [pytest.mark.slow, pytest.mark.shares_cpu]  # three real runs in this process
 
 
 def _validations(run_dir: pathlib.Path) -> list[dict]:

@@ -396,6 +396,7 @@ def ray_cluster():
 
 
 @pytest.mark.own_cluster
+@pytest.mark.shares_cpu
 @pytest.mark.slow
 def test_prestop_hook_drains_its_node_for_preemption_and_waits_for_its_gpus(ray_cluster, cluster):
     import ray
@@ -437,7 +438,6 @@ def test_prestop_hook_drains_its_node_for_preemption_and_waits_for_its_gpus(ray_
     assert ray.get(hook, timeout=30) < 30
 
 
-@pytest.mark.slow
 def test_first_submission_with_resume_starts_the_run(tmp_path):
     """The RayJob always passes --resume: on a name with nothing in storage yet, that starts a fresh run."""
     from lightray.config import load_config

@@ -176,6 +176,7 @@ def _reader(args: tuple) -> tuple[int, int]:
 
 
 @pytest.mark.slow  # concurrent processes
+@pytest.mark.shares_cpu
 def test_concurrent_evictors_never_fail_each_other_and_end_within_the_budget(shards, tmp_path):
     local = tmp_path / "nvme"
     # Fewer shards fit than there are readers, so copies are evicted between another reader's copy and open.

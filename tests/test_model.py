@@ -191,6 +191,7 @@ def shapes(n_per_class: int, seed: int, size: int = 32) -> tuple[torch.Tensor, t
 
 
 @pytest.mark.slow
+@pytest.mark.shares_cpu
 def test_tiny_resnet_learns_ten_shapes_above_80_percent():
     """The demo's model with the real units (zero-init, channels_last, no-BN-decay SGD, label smoothing,
     the schedule's warm-up + linear decay) reaches > 80% on held-out synthetic shapes."""
@@ -233,6 +234,7 @@ def test_tiny_resnet_learns_ten_shapes_above_80_percent():
 # --- bench/gpu_check.sh dry run --------------------------------------------------------------------------------
 # Stays in CI: the only run of bench.gpu_throughput's compiled variant (the GPU suite's dry run times eager only).
 @pytest.mark.slow
+@pytest.mark.shares_cpu
 def test_gpu_check_cpu_dry_run_prints_bench_json():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--cpu-dry-run"], cwd=ROOT, env=env,

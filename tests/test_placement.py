@@ -18,6 +18,7 @@ ROOT = pathlib.Path(__file__).parents[1]
 
 
 @pytest.mark.slow  # a Ray start in a subprocess
+@pytest.mark.shares_cpu
 def test_gpu_workers_on_a_local_cluster_without_gpus_exit_2_with_one_line(tmp_path):
     import torch
 

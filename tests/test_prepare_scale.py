@@ -16,6 +16,7 @@ SIZE_KEYS = {"files", "prepare_s", "s_per_1k_files", "images_per_s", "driver_pea
 
 
 @pytest.mark.slow  # the bench end to end
+@pytest.mark.shares_cpu
 def test_prepare_scale_reports_each_size_and_the_ratios(tmp_path):
     out = subprocess.run([sys.executable, "-m", "bench.prepare_scale", "--sizes", "120,360", "--classes", "6",
                           "--cpus", "2", "--workdir", str(tmp_path)],

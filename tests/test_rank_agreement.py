@@ -131,6 +131,7 @@ BASE = {"schedule.epochs": 2, "report.every_steps": 2, "checkpoint.every_steps":
 
 
 @pytest.mark.slow  # about 2 minutes on 2 cores: three ranks train 48 steps of the smoke model with timed checkpoints
+@pytest.mark.shares_cpu
 def test_timed_checkpoints_are_taken_at_one_step_by_every_rank_when_one_rank_runs_late(tmp_path):
     # Timed checkpoints every 2 s; rank 1 starts its clock 3 s after the others, and every rank's step takes
     # 0.06 s or more: each rank's own clock would cross the threshold at steps tens apart.
@@ -149,6 +150,7 @@ def test_timed_checkpoints_are_taken_at_one_step_by_every_rank_when_one_rank_run
 
 
 @pytest.mark.slow  # three ranks train
+@pytest.mark.shares_cpu
 @pytest.mark.timeout(300)
 def test_a_drain_notice_seen_by_one_rank_checkpoints_every_rank_at_one_step(tmp_path):
     roles = {"2": {"notice_from_step": 6}}

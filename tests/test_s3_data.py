@@ -123,6 +123,7 @@ def test_class_sorted_tars_on_s3_are_remixed_as_the_same_tars_on_disk(cluster, s
 
 
 @pytest.mark.slow  # a driver process that starts its own Ray cluster: 60-110 s on a loaded 2-core machine
+@pytest.mark.shares_cpu
 def test_prepare_only_with_data_on_s3_prints_the_s3_cache(parquet_on_s3, s3_query, tmp_path):
     expected, data = parquet_on_s3
     cache = s3_uri(s3_query, "cache-cli")

@@ -24,7 +24,7 @@ from tests.photos import photo_tree
 from tests.test_source_order import make_class_tars, make_hf_parquet
 from tests.test_sources import CLASSES
 
-pytestmark = pytest.mark.slow  # three real runs: about 3 minutes on 2 cores
+pytestmark = [pytest.mark.slow, pytest.mark.shares_cpu]  # three real runs: about 3 minutes on 2 cores
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TIMM_ARCH = "timm:mobilenetv3_small_050"  # ~0.6M parameters: a timm model small enough for two CPU workers

@@ -175,6 +175,7 @@ def cluster():
 
 
 @pytest.mark.slow  # a two-node cluster of its own
+@pytest.mark.shares_cpu
 @pytest.mark.own_cluster
 def test_start_watchers_puts_one_per_alive_node_and_is_idempotent(cluster, imds):
     _, head, worker = cluster
@@ -192,6 +193,7 @@ def test_start_watchers_puts_one_per_alive_node_and_is_idempotent(cluster, imds)
 
 
 @pytest.mark.slow  # a two-node cluster of its own
+@pytest.mark.shares_cpu
 @pytest.mark.own_cluster
 def test_auto_mode_watches_gpu_nodes_only_unless_endpoint_is_set_and_off_watches_none(cluster, imds):
     _, head, worker = cluster
@@ -209,6 +211,7 @@ def test_auto_mode_watches_gpu_nodes_only_unless_endpoint_is_set_and_off_watches
 
 
 @pytest.mark.slow  # a two-node cluster of its own
+@pytest.mark.shares_cpu
 @pytest.mark.own_cluster
 def test_keeper_adds_a_watcher_when_a_node_joins_and_stop_ends_them_all(cluster, imds):
     c, head, worker = cluster
@@ -230,6 +233,7 @@ def test_keeper_adds_a_watcher_when_a_node_joins_and_stop_ends_them_all(cluster,
 
 
 @pytest.mark.slow  # a two-node cluster of its own
+@pytest.mark.shares_cpu
 @pytest.mark.own_cluster
 def test_notice_drains_own_node_for_preemption_and_train_loop_sees_it(cluster, imds, tmp_path):
     """The real goal: a spot notice on the worker's node reaches ``ray.train.get_preemption_info()``.

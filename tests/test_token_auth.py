@@ -28,7 +28,7 @@ from bench.common import stop_processes
 from lightray.driver.cluster_loss import gcs_reachable
 from tests.faults import wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shares_cpu]
 
 
 def _free_port() -> int:
