@@ -412,6 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the fault order and points, and of the run")
     p.add_argument("--nodes", type=int, default=2, help="worker nodes (one Train worker each) beside the head")
     p.add_argument("--keep", metavar="DIR", help="write the runs here and keep them")
+    p.add_argument("--cache", metavar="DIR",
+                   help="the shard cache to use (and reuse: a repeated soak prepares its data once); default: a "
+                        "fresh one beside the runs")
     p.add_argument("--faults", default=",".join(PRIMARY),
                    help=f"comma-separated fault kinds to inject (default all: {','.join(PRIMARY)}); node_add "
                         "follows every node loss")
@@ -491,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = Machine()
     tmp = tempfile.TemporaryDirectory(prefix="bench-chaos-")
     base = pathlib.Path(args.keep or tmp.name)
-    storage, cache = base / "runs", base / "cache"
+    storage, cache = base / "runs", pathlib.Path(args.cache) if args.cache else base / "cache"
     storage.mkdir(parents=True, exist_ok=True)
     epochs = epochs_for(args.minutes)
     soak, wall, ref, ref_wall = soak_and_reference(args, storage, cache, epochs, kinds, driver_env)

@@ -191,8 +191,38 @@ def same_multiset(carried: dict[int, list[int]], planned: dict[int, list[int]]) 
 
 def _refresh_ray_config() -> None:
     from ray._raylet import Config
-# --- multi-node clusters on this machine: node loss, elastic resize, preemption notice ----------------------------
+
     Config.initialize("")
+
+
+@contextlib.contextmanager
+def token_auth_pinned():
+    """This process and the nodes it starts in Ray's token auth mode (``~/.ray/auth_token`` made if missing),
+    whatever a cluster earlier in the process used; the environment is given back afterwards. Once a process has
+    run a token-mode cluster, a cluster it starts without token mode destroys the process's actors as soon as
+    they are created (the GCS logs its driver as failed): seen when test_machine_loss ran right after
+    test_billing's NodeCluster."""
+    from ray._private.authentication.authentication_token_setup import (
+        _get_default_token_path,
+        generate_and_save_token,
+    )
+
+    saved = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "token"
+    _refresh_ray_config()  # this process caches the auth mode it saw first
+    if not _get_default_token_path().is_file():
+        generate_and_save_token()
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved
+        _refresh_ray_config()
+
+
+# --- multi-node clusters on this machine: node loss, elastic resize, preemption notice ----------------------------
 
 
 @contextlib.contextmanager
@@ -209,18 +239,19 @@ def private_cluster(head_cpus: int = 1):
     previous = address_file.read_text() if address_file.exists() else None
     if ray.is_initialized():
         ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "include_dashboard": False})
-    try:
-        ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
-        yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        if previous is not None:
-            address_file.parent.mkdir(parents=True, exist_ok=True)
-            address_file.write_text(previous)
-        elif address_file.exists() and address_file.read_text() == c.address:
-            address_file.unlink()
+    with token_auth_pinned():
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "include_dashboard": False})
+        try:
+            ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
+            yield c
+        finally:
+            ray.shutdown()
+            c.shutdown()
+            if previous is not None:
+                address_file.parent.mkdir(parents=True, exist_ok=True)
+                address_file.write_text(previous)
+            elif address_file.exists() and address_file.read_text() == c.address:
+                address_file.unlink()
 
 
 class NodeCluster:

@@ -114,6 +114,7 @@ def _run_with_spot_loss(fc, job_id: str, entrypoint: list[str], ready: Callable[
     return seen
 
 
+@pytest.mark.timing_bound
 @pytest.mark.slow
 def test_autoscaler_launches_workers_and_a_smoke_run_survives_a_spot_loss_billed_by_node_label():
     """The documented path end to end: `ray job submit` of `app/run.py --smoke-test` to a cluster whose head has

@@ -240,6 +240,7 @@ def test_search_bench_measures_each_trial_start_and_compares_samplers_on_trial_s
     assert "random_over_tpe_asha_trial_s_to_same_best" in rat
 
 
+@pytest.mark.timing_bound
 @pytest.mark.slow
 def test_time_to_accuracy_on_cifar10_runs_the_same_recipe_plain_and_names_the_ratios(tmp_path):
     data = REPO.parent / "shared" / "data" / "cifar10"

@@ -134,6 +134,7 @@ def train_then_stop(tmp_path: pathlib.Path, shared_cache: pathlib.Path, name: st
         head.stop()
 
 
+@pytest.mark.timing_bound
 @pytest.mark.slow
 def test_run_on_a_cluster_that_is_stopped_mid_run_fails_in_one_line_with_summary_and_resume_command(
         tmp_path, shared_cache):
@@ -165,6 +166,7 @@ def test_run_on_a_cluster_that_is_stopped_mid_run_fails_in_one_line_with_summary
     assert checkpoints(run)
 
 
+@pytest.mark.timing_bound
 @pytest.mark.slow
 def test_driver_that_ray_ends_when_its_raylet_stops_is_still_reported_in_one_line_with_exit_3(
         tmp_path, shared_cache):

@@ -89,6 +89,7 @@ def test_hierarchical_subgroups_take_the_configured_timeout():
     assert hook.group_timeout is not None and hook.group_timeout.total_seconds() == 9
 
 
+@pytest.mark.timing_bound
 @pytest.mark.slow  # two Ray starts in subprocesses
 def test_a_failed_group_waits_seconds_not_half_a_minute_for_a_hung_worker_to_leave_its_process_group():
     """Ray Train's controller waits TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S (Ray's default: 30 s) for every worker

@@ -95,6 +95,7 @@ def test_recovery_bench_kills_at_the_seeded_steps_and_loses_at_most_an_interval(
     check_recovery(2, tmp_path, timeout=1500)
 
 
+@pytest.mark.timing_bound
 @pytest.mark.slow
 def test_recovery_bench_in_ci_rolls_one_kill_back_to_its_last_checkpoint(tmp_path):
     """The CI form of the bench test above (by hand): one kill, measured end to end."""

@@ -236,6 +236,14 @@ def _run_locked(cfg: Config, *, resume: bool, progress: bool, verbose: bool, str
     from lightray.report.record_sync import RecordSync
 
     run_dir, local_run_dir = _open_run_dir(cfg, resume)
+    if resume:  # nothing left to train: the stored summary, without Ray or a worker group (app/driver/finished.py)
+        from lightray.driver.finished import already_finished, say_finished
+
+        done = already_finished(cfg, run_dir)
+        if done is not None:
+            if progress:
+                print(say_finished(done, run_dir), file=stream or sys.stdout, flush=True)
+            return done
     t0 = time.time()
     # metrics.jsonl, TensorBoard and startup.json follow the run into its storage (a no-op for a local one)
     records = RecordSync(local_run_dir, run_dir, cfg.report.sync_every_s).start()
