@@ -222,9 +222,6 @@ def token_auth_pinned():
         _refresh_ray_config()
 
 
-# --- multi-node clusters on this machine: node loss, elastic resize, preemption notice ----------------------------
-
-
 @contextlib.contextmanager
 def private_cluster(head_cpus: int = 1):
     """A ``ray.cluster_utils.Cluster`` of this test's own (a head, nodes added by the test), with this process
