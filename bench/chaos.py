@@ -79,6 +79,7 @@ from tests.faults import (  # noqa: E402  (the same real cluster + driver helper
     run_schedule,
     same_multiset,
     steps_for,
+    train_worker_pids,
 )
 
 PRIMARY = ("node_kill", "preemption", "driver_kill", "checkpoint_corrupt", "storage_write_fail", "peer_hang")
@@ -136,26 +137,6 @@ def next_checkpoint_samples(sched, after: int, margin_steps: int = 1) -> int | N
         if steps > margin_steps and (steps_for(sched, s) % CHECKPOINT_EVERY == 0 or s == sched.epoch_start(epoch + 1)):
             return s
     return None
-
-
-def _train_worker_pids(nodes: NodeCluster) -> list[int]:
-    """The Train worker processes on the worker nodes: the processes below each node's raylet whose title
-    Ray sets to ``ray::RayTrainWorker...``."""
-    import psutil
-    from ray._private import ray_constants
-
-    from bench.common import process_tree
-
-    pids = []
-    for node in nodes.nodes:
-        raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
-        for proc in process_tree(raylet):
-            try:
-                if "RayTrainWorker" in " ".join(proc.cmdline()):
-                    pids.append(proc.pid)
-            except psutil.NoSuchProcess:
-                continue
-    return pids
 
 
 def _ended(pid: int) -> bool:
@@ -256,7 +237,7 @@ class Soak:
             fault["time"] = time.time()  # the new driver's start counts from here
             self._start_driver(resume=True)
         elif kind == "peer_hang":
-            pids = _train_worker_pids(self.nodes)
+            pids = train_worker_pids(self.nodes)
             if pids:
                 os.kill(pids[0], signal.SIGSTOP)
                 fault["stopped_pid"] = pids[0]

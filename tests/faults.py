@@ -398,3 +398,21 @@ def steps_for(sched, samples_seen: int) -> int:
         else:
             return steps + (samples_seen - sched.epoch_start(e)) // b
     return steps
+
+
+def train_worker_pids(nodes: NodeCluster) -> list[int]:
+    """The Train worker processes on the worker nodes: the processes below each node's raylet whose title
+    Ray sets to ``ray::RayTrainWorker...``."""
+    import psutil
+    from ray._private import ray_constants
+
+    pids = []
+    for node in nodes.nodes:
+        raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+        for proc in process_tree(raylet):
+            try:
+                if "RayTrainWorker" in " ".join(proc.cmdline()):
+                    pids.append(proc.pid)
+            except psutil.NoSuchProcess:
+                continue
+    return pids

@@ -5,7 +5,10 @@ the sample ids of the steps that survived every rollback equal the epoch plan's 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import time
 
 import pytest
@@ -25,6 +28,7 @@ from tests.faults import (
     same_multiset,
     steps_for,
     train_records,
+    train_worker_pids,
     wait_for,
 )
 
@@ -47,6 +51,18 @@ def nodes(cluster):
 
 def _summary(run):
     return json.loads((run / "summary.json").read_text())
+
+
+def _stepped_past_a_checkpoint_at_world_size_1(run) -> bool:
+    """A step at world size 1 past a checkpoint written at world size 1: that checkpoint is whole (a report
+    returns once its checkpoint is stored), where one whose meta file has just appeared may not be yet."""
+    ones = []
+    for c in checkpoints(run):
+        with contextlib.suppress(ValueError):  # a meta file being written reads as not there yet
+            meta = json.loads((c / "meta_rank0.json").read_text())
+            if meta["world_size"] == 1:
+                ones.append(meta["samples_seen"])
+    return bool(ones) and any(r["world_size"] == 1 and r["samples_seen"] > min(ones) for r in train_records(run))
 
 
 def _checkpoint_samples(run) -> set[int]:
@@ -114,20 +130,33 @@ def test_a_notice_and_a_lost_node_in_one_run_lose_no_noticed_work_and_carry_each
 
 def test_elastic_run_shrinks_to_one_worker_and_grows_back_on_the_recipes_lr_and_global_batch(
         nodes, tmp_path, shared_cache):
-    # 8 epochs (112 steps): the world-size-1 stretch must last past the scale-up's start. Right after the loss Ray
-    # Train still asks for 2 workers and waits for that placement group until its worker-group start timeout
-    # before it falls back to 1: 15 s instead of Ray's 60 (a timed-out start is retried, not charged as a failure).
+    # Right after the loss Ray Train still asks for 2 workers and waits for that placement group until its
+    # worker-group start timeout before it falls back to 1: 15 s instead of Ray's 60 (a timed-out start is retried,
+    # not charged as a failure).
     proc = cluster_driver(nodes, tmp_path, "elastic", "--workers", "1:2", "--scaling.resize_check_s=2",
                           cache=shared_cache, epochs=8, env={"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15"})
     run = tmp_path / "elastic"
+    paused = []
     try:
         wait_for(lambda: checkpoints(run), 300, "the first checkpoint", proc)
         assert {r["world_size"] for r in train_records(run)} == {2}
         nodes.remove_worker()
-        wait_for(lambda: any(r["world_size"] == 1 for r in train_records(run)), 300, "steps at world size 1", proc)
+        wait_for(lambda: _stepped_past_a_checkpoint_at_world_size_1(run), 300,
+                 "a step past a checkpoint at world size 1", proc)
+        # The lone worker is paused (SIGSTOP) past its first checkpoint, until the grow-back replaces it: Ray Train
+        # sees a new node only through the autoscaling coordinator, whose view of the cluster refreshes every 20 s,
+        # and unpaused the world-size-1 stretch (about 17 s here) can end the run before then. A paused worker
+        # misses health checks, which Ray Train forgives for 10 minutes; the resize kills it as it kills any old
+        # worker, and the new group resumes from the world-size-1 checkpoint: the resize from 1 to 2.
+        paused = train_worker_pids(nodes)
+        assert len(paused) == 1, paused
+        os.kill(paused[0], signal.SIGSTOP)
         nodes.add_worker()
         out = finish(proc, timeout=480)
     finally:
+        for pid in paused:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         if proc.poll() is None:
             kill_group(proc)
     summary = _summary(run)
