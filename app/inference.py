@@ -196,13 +196,15 @@ def _list_files(root: str) -> list[str]:
 
 
 def folder_items(data: str, classes: list[str], transform: EvalTransform) -> list[Item]:
-    """``<data>/val/<class>/*`` (an ImageFolder train/val tree) or ``<data>/<class>/*``; class folders are
-    matched to the model's classes by name."""
+    """``<data>/val/<class>/*`` or ``<data>/validation/<class>/*`` (an ImageFolder tree with splits) or
+    ``<data>/<class>/*``; class folders are matched to the model's classes by name."""
+    from lightray.data.source import SPLIT_FOLDERS
+
     info = storage.file_info(data)
     if info.type == storage.FileType.NotFound:
         raise FileNotFoundError(f"--data: {data} not found")
-    val = storage.join(data, "val")
-    root = val if storage.file_info(val).type == storage.FileType.Directory else data
+    vals = [storage.join(data, d) for d in SPLIT_FOLDERS["val"]]
+    root = next((v for v in vals if storage.file_info(v).type == storage.FileType.Directory), data)
     subdirs = [i.base_name for i in storage.list_dir(root, detail=True)
                if i.type == storage.FileType.Directory and not i.base_name.startswith(".")]
     unknown = [d for d in subdirs if d not in classes]

@@ -12,6 +12,7 @@ import inspect
 import logging
 import os
 import socket
+from typing import Any
 
 PINNED = "2.60"
 log = logging.getLogger(__name__)
@@ -68,13 +69,13 @@ def _probe_callback_error_is_the_failure() -> bool:
     # after_worker_group_poll_status: it must reach the failure policy as it is, not wrapped as a (non-retryable)
     # controller error; and it reads the workers' node ids from the group's state.
     from ray.train.v2._internal.execution.controller.controller import TrainController
-    from ray.train.v2._internal.execution.worker_group.worker import ActorMetadata
+    from ray.train.v2._internal.execution.worker_group.worker import ActorMetadata, Worker
     from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
 
     poll = inspect.getsource(WorkerGroup.poll_status)
     loop = inspect.getsource(TrainController._run_control_loop_iteration)
     return ("after_worker_group_poll_status" in poll and "isinstance(e, TrainingFailedError)" in loop
-            and "node_id" in ActorMetadata.__dataclass_fields__
+            and "node_id" in ActorMetadata.__dataclass_fields__ and "actor" in Worker.__dataclass_fields__
             and hasattr(WorkerGroup, "get_worker_group_state"))
 
 
@@ -102,8 +103,8 @@ def _probes() -> dict[str, object]:
             lambda: isinstance(__getattr__("WorkerGroupCallback"), type),
         "ray.train.v2._internal.execution.context.get_train_context": _probe_train_context,
         "Ray Train's controller handing a WorkerGroupError raised in a worker-group callback's poll hook to its "
-        "failure policy as is, and the workers' node ids (machines lost without notice would be charged to "
-        "scaling.max_failures)":
+        "failure policy as is, and the workers' node ids and actors (machines lost without notice or hung would be "
+        "charged to scaling.max_failures)":
             _probe_callback_error_is_the_failure,
         "ray._private.state.GlobalState.actor_table(job_id=, actor_state_name=)": _probe_actor_table,
         "the GCS client's drain_node and GlobalState.get_draining_nodes (spot notices)": _probe_drain,
@@ -181,6 +182,11 @@ def worker_group_nodes(worker_group) -> dict[int, str]:
     """World rank -> node id (hex) of each worker of a Ray Train worker group (its workers are in rank order)."""
     workers = worker_group.get_worker_group_state().workers
     return {rank: str(w.metadata.node_id) for rank, w in enumerate(workers)}
+
+
+def worker_group_actors(worker_group) -> dict[int, Any]:
+    """World rank -> actor handle of each worker of a Ray Train worker group."""
+    return dict(enumerate(w.actor for w in worker_group.get_worker_group_state().workers))
 
 
 def placement_group_job_id(pg_hex: str) -> str:

@@ -22,7 +22,8 @@ run has recovered from the one before):
   restarted, so that the retry writes it.
 - ``peer_hang``: one Train worker process stopped (SIGSTOP), as a worker wedged in a driver call or a
   collective: its peers' next collective fails after ``scaling.collective_timeout_s`` (``--collective-timeout-s``
-  here, 45 s by default against the recipe's 300 s), and Ray Train replaces the group. The injection records
+  here, 45 s by default against the recipe's 300 s), and Ray Train replaces the group, charged to the preemption
+  budget: the stopped process answers nothing (app/driver/machine_loss.py). The injection records
   whether the stopped process was ended by the restart (a hung worker left behind would hold its GPU).
 
 Figures per fault kind (``figures.faults.<kind>``): ``injected``, ``survived`` (the run trained on after it and
@@ -158,7 +159,7 @@ class Soak:
 
     def __init__(self, nodes: NodeCluster, storage: pathlib.Path, cache: pathlib.Path, name: str, epochs: int,
                  seed: int, imds, kinds: tuple[str, ...] = PRIMARY, env: dict | None = None,
-                 collective_timeout_s: int = 45):
+                 collective_timeout_s: int = 45, max_failures: int | None = None):
         self.nodes, self.storage, self.cache, self.name = nodes, storage, cache, name
         self.env = env or {}
         self.kinds = kinds
@@ -166,7 +167,8 @@ class Soak:
         self.run_dir = storage / name
         self.args = ("--workers", f"1:{nodes.n_workers}", "--scaling.resize_check_s=2", "--checkpoint.keep=3",
                      "--report.every_steps=1", f"--scaling.seed={seed}",
-                     f"--scaling.collective_timeout_s={collective_timeout_s}")
+                     f"--scaling.collective_timeout_s={collective_timeout_s}",
+                     *([f"--scaling.max_failures={max_failures}"] if max_failures is not None else []))
         self.proc = None
         self.injected: list[dict] = []  # {kind, time, before (last samples_seen), ...}
         self.skipped: list[dict] = []  # faults whose turn came too late in the run to react to them
@@ -405,6 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Ray Train's worker-group start timeout in the driver (default: Ray's, 60 s)")
     p.add_argument("--collective-timeout-s", type=int, default=45,
                    help="the run's scaling.collective_timeout_s: how long peers wait on a hung worker (peer_hang)")
+    p.add_argument("--max-failures", type=int, default=None,
+                   help="the run's scaling.max_failures (default: the recipe's); 0 shows that every fault injected is "
+                        "charged to the preemption budget, none to the failures a run may have")
     return p
 
 
@@ -431,7 +436,7 @@ def soak_and_reference(args: argparse.Namespace, storage: pathlib.Path, cache: p
     stamp = time.strftime("%H%M%S")
     with NodeCluster(workers=args.nodes) as nodes, ImdsServer() as imds:
         soak = Soak(nodes, storage, cache, f"chaos-{stamp}", epochs, args.seed, imds, kinds, env=driver_env,
-                    collective_timeout_s=args.collective_timeout_s)
+                    collective_timeout_s=args.collective_timeout_s, max_failures=args.max_failures)
         try:
             wall = soak.run()
         finally:
@@ -456,6 +461,7 @@ def summarise(args: argparse.Namespace, soak: Soak, epochs: int, kinds: tuple[st
         "uninterrupted_top1": ref["final_top1"], "epochs": epochs, "seed": args.seed,
         "plan": fault_plan(args.seed, kinds), "wall_s": round(wall, 1),
         "group_start_timeout_s": args.group_start_timeout_s, "collective_timeout_s": args.collective_timeout_s,
+        "max_failures": args.max_failures,
         "uninterrupted_wall_s": round(ref_wall, 1) if ref_wall else None,
         "overhead_s": round(wall - ref_wall, 1) if ref_wall else None,
         "all_survived": all(r["survived"] == r["injected"] for r in figures["faults"].values()),

@@ -1,10 +1,11 @@
-"""A machine gone without notice is a preemption; a worker that crashed on a machine still up is a failure
-(app/driver/machine_loss.py), on real Ray nodes of a cluster of this test's own, judged by Ray Train's own
-failure policy with no failure allowed."""
+"""A machine gone without notice, or hung, is a preemption; a worker that crashed on a machine still up is a
+failure (app/driver/machine_loss.py), on real Ray nodes of a cluster of this test's own, judged by Ray Train's
+own failure policy with no failure allowed."""
 
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
@@ -29,7 +30,7 @@ def _failure_of(call) -> Exception:
     raise AssertionError("the call returned")
 
 
-def _decide(errors: dict[int, Exception], rank_nodes: dict[int, str]):
+def _decide(errors: dict[int, Exception], rank_nodes: dict[int, str], rank_actors: dict | None = None):
     """Ray Train's own policy with no failure allowed and unlimited preemptions, on the failure the callback
     raises (the controller hands it to the policy as is: lightray.ray_private) or, when it raises none, on
     Ray's own."""
@@ -40,7 +41,7 @@ def _decide(errors: dict[int, Exception], rank_nodes: dict[int, str]):
     from lightray.driver.machine_loss import reclassify
 
     policy = DefaultFailurePolicy(FailureConfig(max_failures=0, max_preemption_failures=-1))
-    raised = reclassify(errors, rank_nodes, confirm_s=5)
+    raised = reclassify(errors, rank_nodes, confirm_s=5, rank_actors=rank_actors, hung_s=5)
     failure = raised or WorkerGroupError(error_message="", worker_failures=errors)
     return policy.make_decision(failure).value, raised
 
@@ -88,3 +89,34 @@ def test_a_machine_gone_without_notice_is_a_preemption_and_a_crash_on_a_live_one
     assert not gone.preempted
     decision, raised = _decide({0: gone, 1: survivor}, group)
     assert decision == "RETRY" and str(gone) in str(raised.worker_failures[0]), raised
+
+
+def test_a_peer_that_stops_answering_is_a_preemption_and_one_that_answers_leaves_the_failure_charged(cluster):
+    """What the ranks of a group see when a peer hangs: their collective times out. The peer's process stopped
+    (SIGSTOP, as a frozen machine) does not answer Ray; a peer alive in a deadlock of its own code would."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Worker:
+        def pid(self) -> int:
+            return os.getpid()
+
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()  # the head: the other test's removed node may not be seen gone yet
+    on_head = Worker.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+    waiting, frozen = on_head.remote(), on_head.remote()
+    pid = ray.get(frozen.pid.remote())
+    group, actors = {0: node, 1: node}, {0: waiting, 1: frozen}
+    timeout = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 20000ms for recv operation")
+    assert _decide({0: timeout}, group, actors) == ("RAISE", None)  # the peer answers: a failure, as before
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        decision, raised = _decide({0: timeout}, group, actors)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert decision == "RETRY", raised
+    hung = raised.worker_failures[1]
+    assert hung.preempted and "stopped answering" in str(hung) and f"node {node}" in str(hung), hung
+    assert raised.worker_failures[0] is timeout
+

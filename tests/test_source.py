@@ -8,7 +8,7 @@ import pathlib
 import pytest
 from PIL import Image
 
-from lightray.data.source import DataError, list_imagefolder
+from lightray.data.source import DEFAULT_VAL_FRACTION, DataError, list_imagefolder, run_val_fraction
 
 
 def _img(path: pathlib.Path) -> None:
@@ -63,9 +63,46 @@ def test_missing_root_error_names_the_path(tmp_path):
     assert "no such path" in str(err.value)
 
 
-def test_missing_train_split_error_names_the_path(tmp_path):
-    root = _tree(tmp_path / "ds", {"val": {"x": ["1.jpg"]}})
-    with pytest.raises(DataError, match=str(root / "train")):
+@pytest.mark.parametrize("split", ["val", "test"])
+def test_a_split_folder_without_train_is_refused_naming_train(tmp_path, split):
+    root = _tree(tmp_path / "ds", {split: {"x": ["1.jpg"]}})
+    with pytest.raises(DataError, match=str(root / "train")) as err:
+        list_imagefolder(str(root))
+    assert f"the source has {split}/ but no train/" in str(err.value)
+
+
+def test_a_folder_of_class_folders_is_the_train_split_and_holds_out_a_seeded_val(tmp_path):
+    # torchvision's ImageFolder layout: the root holds the class folders, with no split folders.
+    root = _tree(tmp_path, {"ds": {"b_dog": [f"{i}.jpg" for i in range(5)], "a_cat": [f"{i}.jpg" for i in range(5)]}})
+    root = root / "ds"
+    assert run_val_fraction(str(root), 0.0) == DEFAULT_VAL_FRACTION
+    whole = list_imagefolder(str(root))
+    assert whole.classes == ["a_cat", "b_dog"] and set(whole.splits) == {"train"}
+    assert [e.path for e in whole.splits["train"]][:2] == ["a_cat/0.jpg", "a_cat/1.jpg"]
+    held = list_imagefolder(str(root), val_fraction=0.4, seed=3)
+    assert held.holdout["train_val_per_class"] == {"a_cat": [3, 2], "b_dog": [3, 2]}
+    val = {e.path for e in held.splits["val"]}
+    assert val.isdisjoint(e.path for e in held.splits["train"]) and len(val) == 4
+    assert val == {e.path for e in list_imagefolder(str(root), val_fraction=0.4, seed=3).splits["val"]}
+    assert val != {e.path for e in list_imagefolder(str(root), val_fraction=0.4, seed=4).splits["val"]}
+
+
+def test_validation_folder_is_the_val_split_and_test_is_never_listed(tmp_path):
+    root = _tree(tmp_path / "ds", {"train": {"x": ["1.jpg", "2.jpg"], "y": ["3.jpg"]},
+                                   "validation": {"y": ["v.jpg"]}, "test": {"x": ["t.jpg"], "z": ["u.jpg"]}})
+    assert run_val_fraction(str(root), 0.0) == 0.0  # the source's own val split is used, not a hold-out
+    listing = list_imagefolder(str(root))
+    assert listing.classes == ["x", "y"]
+    assert [(e.path, e.label) for e in listing.splits["val"]] == [("validation/y/v.jpg", 1)]
+    assert not any(e.path.startswith("test/") for split in listing.splits.values() for e in split)
+    with pytest.raises(DataError, match=str(root / "validation")) as err:
+        list_imagefolder(str(root), val_fraction=0.2)
+    assert "has a validation/ split" in str(err.value)
+
+
+def test_val_and_validation_together_are_refused_naming_both(tmp_path):
+    root = _tree(tmp_path / "ds", {"train": {"x": ["1.jpg"]}, "val": {"x": ["2.jpg"]}, "validation": {"x": ["3.jpg"]}})
+    with pytest.raises(DataError, match="both val/ and validation/"):
         list_imagefolder(str(root))
 
 

@@ -92,19 +92,22 @@ def test_class_sorted_tars_train_to_the_accuracy_of_shuffled_rows(tars_run):
     assert json.loads((tars_run / "data.json").read_text())["train_samples"] == 240
 
 
-# --- a train-only ImageFolder tree at a native 32 px ----------------------------------------------------------
+# --- a folder of class folders (torchvision's ImageFolder, no split folders) at a native 32 px -----------------
 @pytest.fixture(scope="module")
 def train_only_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("trainonly")
     src = photo_tree(root / "src", 32, per_class=40)
-    shutil.rmtree(src / "val")  # no val/ split: the run holds one out of train/
+    shutil.rmtree(src / "val")  # no val split: the run holds one out of the class folders
+    for cls in (src / "train").iterdir():
+        cls.rename(src / cls.name)
+    (src / "train").rmdir()
     # Every step reported: 4 steps in all (108 train images). LR 0.1 per 256: at the smoke recipe's 0.4 this
     # timm model's loss rose (1.92 -> 5.97 over the run).
     return smoke_run(src, root / "runs", "--data.val_seed=5", f"--model.arch={TIMM_ARCH}", "--optim.lr_per_256=0.1",
                      "--report.every_steps=1", "--data.augment_on=device", "--data.raw_max_resolution=64")
 
 
-def test_train_only_tree_holds_out_a_seeded_stratified_val_split(train_only_run):
+def test_a_folder_of_class_folders_trains_with_a_seeded_stratified_hold_out(train_only_run):
     run_dir, _ = train_only_run
     recorded = json.loads((run_dir / "data.json").read_text())
     assert recorded["holdout"]["val_fraction"] == DEFAULT_VAL_FRACTION and recorded["holdout"]["seed"] == 5

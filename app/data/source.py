@@ -31,6 +31,10 @@ from lightray.storage import is_uri, join
 # torchvision's IMG_EXTENSIONS, compared case-insensitively (ImageNet has a few upper-case names).
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 SPLITS = ("train", "val")
+# The folders that name a split in an ImageFolder tree: val/ or validation/ is the val split; test/ is the
+# source's own test split, never trained on nor scored (a held-back test set stays held back).
+SPLIT_FOLDERS = {"train": ("train",), "val": ("val", "validation")}
+TEST_FOLDERS = ("test",)
 LIST_THREADS = 32  # class folders listed at once (object-store listings are latency-bound)
 
 
@@ -138,6 +142,8 @@ class SourceListing:
     classes: list[str]  # index = label
     splits: dict[str, SplitTable] = field(default_factory=dict)
     holdout: dict | None = None  # how val/ was drawn from train/ when the source has no val/ (see hold_out)
+    # the folder of each split under the root: "train", "val" or "validation"; "" for a tree of class folders alone
+    split_dirs: dict[str, str] = field(default_factory=lambda: {"train": "train", "val": "val"})
 
     def fingerprint(self) -> str:
         """sha256 over the root and every entry (path, size, mtime): the source half of the cache key. The
@@ -171,14 +177,34 @@ def _hidden(rel: str) -> bool:
     return any(part.startswith((".", "_")) for part in rel.split("/"))
 
 
-def list_imagefolder(root: str, val_fraction: float = 0.0, seed: int = 0) -> SourceListing:
-    """List ``root/{train,val}/<class>/**/<image>`` sorted by relative path.
+def split_dirs(root: str, dirs: set[str]) -> dict[str, str]:
+    """{split: its folder under ``root``} from the root's folder names ``dirs``: ``train/`` with ``val/`` or
+    ``validation/`` beside it, or (no split folder at all) the root itself as the train split, its folders the
+    classes, as torchvision's ImageFolder reads it. ``test/`` is never listed. DataError for val/ and
+    validation/ together, or a val/ or test/ folder without train/."""
+    vals = [d for d in SPLIT_FOLDERS["val"] if d in dirs]
+    if len(vals) > 1:
+        raise DataError(f"{join(root, vals[1])}: the source has both {vals[0]}/ and {vals[1]}/; expected one "
+                        "validation split folder")
+    if "train" in dirs:
+        return {"train": "train", **({"val": vals[0]} if vals else {})}
+    named = sorted(dirs & {*vals, *TEST_FOLDERS})
+    if named:
+        raise DataError(f"{join(root, 'train')}: missing; the source has {named[0]}/ but no train/ split folder; "
+                        f"expected train/<class>/ beside it, or a folder holding class folders only "
+                        f"(found {', '.join(sorted(dirs))})")
+    return {"train": ""}
 
-    Classes are the sorted folder names of ``train/``; ``val/`` must use only those. Raises DataError
-    for a missing root, no ``train/`` split, a split or class folder without images, or an unknown
-    val class. ``val_fraction`` > 0 on a source without ``val/`` holds out that fraction of each train
-    class as the val split (:func:`hold_out`, seeded by ``seed``); with a ``val/`` folder present it is a
-    DataError (which split to score would be ambiguous). 0 lists a train-only source as it is.
+
+def list_imagefolder(root: str, val_fraction: float = 0.0, seed: int = 0) -> SourceListing:
+    """List ``root/{train,val}/<class>/**/<image>`` (or ``validation/`` for ``val/``), or ``root/<class>/**/<image>``
+    as the train split, sorted by relative path.
+
+    Classes are the sorted folder names of the train split; the val split must use only those. Raises DataError
+    for a missing root, no class folders, a split or class folder without images, or an unknown val class.
+    ``val_fraction`` > 0 on a source without a val split holds out that fraction of each train class as the val
+    split (:func:`hold_out`, seeded by ``seed``); with a val folder present it is a DataError (which split to score
+    would be ambiguous). 0 lists a train-only source as it is. A ``test/`` folder is never read.
     """
     norm = storage.normalise(root)
     fs, base = resolve_fs(norm)
@@ -187,28 +213,26 @@ def list_imagefolder(root: str, val_fraction: float = 0.0, seed: int = 0) -> Sou
     except OSError as exc:
         raise DataError(f"{root}: cannot read the source ({exc}); expected an ImageFolder tree") from None
     if info.type == pafs.FileType.NotFound:
-        raise DataError(f"{root}: no such path; expected an ImageFolder tree with train/<class>/ folders")
+        raise DataError(f"{root}: no such path; expected an ImageFolder tree: one folder per class, or "
+                        "train/<class>/ folders")
     if info.type != pafs.FileType.Directory:
-        raise DataError(f"{root}: is a file; expected a directory with train/<class>/ folders")
-    top = {i.base_name: i for i in storage.list_dir(base, detail=True, fs=fs)}
-    if "train" not in top or top["train"].type != pafs.FileType.Directory:
-        found = ", ".join(sorted(top)) or "nothing"
-        raise DataError(f"{join(norm, 'train')}: missing; expected a train/ split folder with one folder per "
-                        f"class (found {found})")
-
-    listing = SourceListing(root=norm, classes=[])
-    per_split: dict[str, dict[str, list[tuple[str, int, int]]]] = {}
-    for split in SPLITS:
-        if split not in top:
-            continue
-        classes = _list_split(fs, f"{base}/{split}", split)
+        raise DataError(f"{root}: is a file; expected a directory of class folders, or of train/<class>/ folders")
+    dirs = {i.base_name for i in storage.list_dir(base, detail=True, fs=fs)
+            if i.type == pafs.FileType.Directory and not _hidden(i.base_name)}
+    if not dirs:
+        raise DataError(f"{root}: no folders; expected one folder per class (an ImageFolder tree), or "
+                        "train/<class>/ folders")
+    listing = SourceListing(root=norm, classes=[], split_dirs=split_dirs(norm, dirs))
+    per_split: dict[str, dict[str, pa.Table]] = {}
+    for split, folder in listing.split_dirs.items():
+        classes = _list_split(fs, f"{base}/{folder}" if folder else base, folder)
         if not any(t.num_rows for t in classes.values()):
-            raise DataError(f"{join(norm, split)}: no images; expected class folders holding files with extensions "
-                            f"{', '.join(IMAGE_EXTENSIONS)}")
+            raise DataError(f"{join(norm, folder) if folder else norm}: no images; expected class folders holding "
+                            f"files with extensions {', '.join(IMAGE_EXTENSIONS)}")
         for name, files in sorted(classes.items()):
             if not files.num_rows:
-                raise DataError(f"{join(norm, split, name)}: class folder has no images; expected files with "
-                                f"extensions {', '.join(IMAGE_EXTENSIONS)} (remove the folder or add images)")
+                raise DataError(f"{_join_parts(norm, folder, name)}: class folder has no images; expected files "
+                                f"with extensions {', '.join(IMAGE_EXTENSIONS)} (remove the folder or add images)")
         per_split[split] = classes
 
     listing.classes = sorted(per_split["train"])
@@ -216,22 +240,29 @@ def list_imagefolder(root: str, val_fraction: float = 0.0, seed: int = 0) -> Sou
     for split, classes in per_split.items():
         unknown = sorted(set(classes) - set(index))
         if unknown:
-            raise DataError(f"{join(norm, split, unknown[0])}: class {unknown[0]!r} is not among the "
-                            f"{len(index)} train classes; expected val/ to use train/'s class folders")
+            folder = listing.split_dirs[split]
+            raise DataError(f"{join(norm, folder, unknown[0])}: class {unknown[0]!r} is not among the "
+                            f"{len(index)} train classes; expected {folder}/ to use train/'s class folders")
         table = pa.concat_tables(
             [t.append_column("label", pa.array(np.full(t.num_rows, index[name], dtype=np.int32)))
              for name, t in classes.items()])
         # Arrow orders strings by their UTF-8 bytes, which is Python's code-point order: the sort of old.
         listing.splits[split] = SplitTable(table.take(pc.sort_indices(table, [("path", "ascending")])))
     if "val" in listing.splits and val_fraction > 0:
-        raise DataError(f"{join(norm, 'val')}: the source has a val/ split, so data.val_fraction={val_fraction} "
-                        "has nothing to do; expected data.val_fraction=0 (use val/) or a source without val/")
+        folder = listing.split_dirs["val"]
+        raise DataError(f"{join(norm, folder)}: the source has a {folder}/ split, so data.val_fraction={val_fraction} "
+                        f"has nothing to do; expected data.val_fraction=0 (use {folder}/) or a source without it")
     if "val" not in listing.splits and val_fraction > 0:
         hold_out(listing, val_fraction, seed)
     return listing
 
 
-def _list_split(fs: pafs.FileSystem, split_dir: str, split: str) -> dict[str, pa.Table]:
+def _join_parts(root: str, *parts: str) -> str:
+    """``join`` that skips empty parts: the train split of a tree of class folders is the root itself."""
+    return join(root, *[p for p in parts if p])
+
+
+def _list_split(fs: pafs.FileSystem, split_dir: str, folder: str) -> dict[str, pa.Table]:
     """{class folder: table of (path relative to the root, size, mtime_ns)} of one split, the class folders
     listed in parallel: one recursive listing per class, ``LIST_THREADS`` at a time. On an object store a
     single recursive listing of the split is one paged request after another (1,000 keys a page: over a
@@ -248,7 +279,7 @@ def _list_split(fs: pafs.FileSystem, split_dir: str, split: str) -> dict[str, pa
             rel = fi.path[len(class_dir):].lstrip("/")
             if fi.type != pafs.FileType.File or _hidden(rel) or not _is_image(rel.rsplit("/", 1)[-1]):
                 continue  # non-images (README, .txt) and hidden files are not samples
-            paths.append(f"{split}/{name}/{rel}")
+            paths.append(f"{folder}/{name}/{rel}" if folder else f"{name}/{rel}")
             sizes.append(int(fi.size or 0))
             mtimes.append(int(fi.mtime_ns if fi.mtime_ns is not None else 0))
         return paths, sizes, mtimes
@@ -300,7 +331,8 @@ def run_val_fraction(root: str, val_fraction: float) -> float:
         return val_fraction
     fs, base = resolve_fs(storage.normalise(root))
     try:
-        has_val = fs.get_file_info(f"{base}/val").type == pafs.FileType.Directory
+        has_val = any(i.type == pafs.FileType.Directory for i in fs.get_file_info(
+            [f"{base}/{d}" for d in SPLIT_FOLDERS["val"]]))
     except OSError:
         has_val = True  # unreadable: leave it to the listing, which names the problem
     return 0.0 if has_val else DEFAULT_VAL_FRACTION
@@ -320,7 +352,8 @@ def hold_out(listing: SourceListing, fraction: float, seed: int) -> None:
     labels = train.column("label")
     val_rows, per_class = rank_holdout(
         labels, lambda rows: train.table.column("path").take(pa.array(rows)).to_pylist(), fraction, seed,
-        listing.classes, lambda name: join(listing.root, "train", name), "image", "a val/ folder")
+        listing.classes, lambda name: _join_parts(listing.root, listing.split_dirs["train"], name), "image",
+        "a val/ folder")
     # The split is sorted by path, so sorted row numbers are the path order of the rows they pick.
     listing.splits["train"] = train.take(np.setdiff1d(np.arange(len(labels)), val_rows))
     listing.splits["val"] = val = train.take(val_rows)

@@ -12,9 +12,14 @@ gone (its raylet unreachable or the GCS marking it dead, waiting up to ``confirm
 lost peer). When one is, it raises the group's failure again with the workers of the gone nodes failing as
 ``MachineLostError`` (a ``RayActorError`` marked ``preempted``) and the others' errors as they were; Ray Train's
 failure policy takes it as is and charges the preemption budget. A worker that crashed on a machine still up
-(an OOM kill, a segfault) and every Python error stay failures. So does a hung peer: the ranks that wait on it
-cannot tell a stopped machine from a deadlock. The Ray internals this needs (a worker-group callback, the
-workers' node ids, the controller handing a raised failure to its policy) are checked at start-up by
+(an OOM kill, a segfault) and every Python error stay failures.
+
+A hung peer is a machine gone too: when no node is gone, the ranks that reported no error are asked Ray's
+``__ray_ready__`` (served by the worker process itself, beside the training thread). A rank that does not answer
+within ``hung_s`` while its peers failed is a frozen machine or process (a stopped VM, a wedged host), not a bug:
+a deadlock in training code leaves the process answering, and its peers' collective timeout stays a failure. The
+silent ranks fail as ``MachineLostError`` too. The Ray internals this needs (a worker-group callback, the workers'
+node ids and actors, the controller handing a raised failure to its policy) are checked at start-up by
 ``lightray.ray_private.check``.
 """
 
@@ -32,6 +37,9 @@ from lightray.driver.cluster_loss import gcs_reachable
 
 log = logging.getLogger("lightray")
 CONFIRM_S = 10.0  # how long a lost peer's machine may take to be seen gone (its raylet refusing, or silent)
+# How long a rank that reported no error may take to answer __ray_ready__ before it counts as hung: a live worker
+# answers in milliseconds, and seconds on a loaded machine.
+HUNG_S = 10.0
 # What a surviving rank or the controller sees when a peer's process went away (gloo, NCCL, Ray's RPC).
 PEER_LOST = ("connection reset", "connection closed", "socket closed", "broken pipe", "unavailable",
              "communicator was aborted", "died")
@@ -79,16 +87,41 @@ def gone_nodes(node_ids: set[str], confirm_s: float = CONFIRM_S, every_s: float 
         time.sleep(every_s)
 
 
-def reclassify(errors: dict[int, Exception], rank_nodes: dict[int, str], confirm_s: float = CONFIRM_S
-               ) -> WorkerGroupError | None:
-    """The group's failure with the ranks of gone machines as ``MachineLostError``, or None when no machine of
-    the group is gone (or Ray already counts the failure as a preemption)."""
+def silent_ranks(rank_actors: dict[int, Any], wait_s: float = HUNG_S) -> set[int]:
+    """The ranks whose worker process does not answer Ray's ``__ray_ready__`` within ``wait_s``."""
+    import ray
+
+    if not rank_actors:
+        return set()
+    calls = {actor.__ray_ready__.remote(): rank for rank, actor in rank_actors.items()}
+    _, pending = ray.wait(list(calls), num_returns=len(calls), timeout=wait_s)
+    return {calls[ref] for ref in pending}
+
+
+def _hung(errors: dict[int, Exception], rank_nodes: dict[int, str], rank_actors: dict[int, Any], hung_s: float
+          ) -> WorkerGroupError | None:
+    silent = silent_ranks({r: a for r, a in rank_actors.items() if r not in errors}, hung_s)
+    if not silent:
+        return None
+    failures = dict(errors)
+    for rank in sorted(silent):
+        failures[rank] = MachineLostError(f"rank {rank} (node {rank_nodes.get(rank)}) stopped answering for "
+                                          f"{hung_s:g} s while its peers failed: its machine or process is hung")
+    return WorkerGroupError(error_message=f"rank(s) {sorted(silent)} hung (no answer in {hung_s:g} s)",
+                            worker_failures=failures)
+
+
+def reclassify(errors: dict[int, Exception], rank_nodes: dict[int, str], confirm_s: float = CONFIRM_S,
+               rank_actors: dict[int, Any] | None = None, hung_s: float = HUNG_S) -> WorkerGroupError | None:
+    """The group's failure with the ranks of gone machines, or of silent ones (``rank_actors``), as
+    ``MachineLostError``; None when no machine of the group is gone or hung (or Ray already counts the failure as
+    a preemption)."""
     if not errors or any(_preempted(e) for e in errors.values()) or not rank_nodes:
         return None
     wait = confirm_s if any(_looks_like_a_lost_peer(e) for e in errors.values()) else 0.0
     gone = gone_nodes(set(rank_nodes.values()), wait)
     if not gone:
-        return None
+        return _hung(errors, rank_nodes, rank_actors or {}, hung_s)
     failures = dict(errors)
     for rank, node in sorted(rank_nodes.items()):
         if node in gone:
@@ -101,21 +134,24 @@ def reclassify(errors: dict[int, Exception], rank_nodes: dict[int, str], confirm
 
 
 class MachineLossCallback(ray_private.WorkerGroupCallback):
-    def __init__(self, confirm_s: float = CONFIRM_S):
-        self.confirm_s = confirm_s
+    def __init__(self, confirm_s: float = CONFIRM_S, hung_s: float = HUNG_S):
+        self.confirm_s, self.hung_s = confirm_s, hung_s
         self.rank_nodes: dict[int, str] = {}
+        self.rank_actors: dict[int, Any] = {}
 
     def after_worker_group_start(self, worker_group: Any) -> None:
         try:
             self.rank_nodes = ray_private.worker_group_nodes(worker_group)
+            self.rank_actors = ray_private.worker_group_actors(worker_group)
         except Exception as exc:  # never fail a start over this; losses are then Ray's to judge
-            self.rank_nodes = {}
-            log.warning("could not read the worker group's nodes (%s): a machine lost without notice will be "
-                        "charged to scaling.max_failures", exc)
+            self.rank_nodes, self.rank_actors = {}, {}
+            log.warning("could not read the worker group's nodes (%s): a machine lost without notice or hung will "
+                        "be charged to scaling.max_failures", exc)
 
     def after_worker_group_poll_status(self, worker_group_status: Any) -> None:
         try:
-            failure = reclassify(worker_group_status.errors, self.rank_nodes, self.confirm_s)
+            failure = reclassify(worker_group_status.errors, self.rank_nodes, self.confirm_s, self.rank_actors,
+                                 self.hung_s)
         except Exception as exc:  # an error here would end the run as a controller error: leave it to Ray
             log.warning("could not tell whether a machine of the worker group went away: %s", exc)
             return
