@@ -118,6 +118,20 @@ def test_rerun_with_same_inputs_rewrites_nothing_and_says_so(tmp_path, ray_clust
     assert other != out and file_stamps(out) == before
 
 
+def test_prepare_calls_ray_data_without_its_deprecated_arguments(tmp_path, ray_cluster):
+    # Ray Data logs a deprecation warning for map(concurrency=) on every prepare: noise a user cannot act on.
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("ray.data")
+    logger.addHandler(handler)
+    try:
+        run_prepare(make_tree(tmp_path / "src", train_per_class=2, val_per_class=1), tmp_path / "cache")
+    finally:
+        logger.removeHandler(handler)
+    assert seen and not [m for m in seen if "deprecated" in m.lower()], seen
+
+
 def test_interrupted_prepare_keeps_finished_shards_and_completes_the_rest(tmp_path, ray_cluster, caplog):
     src = make_tree(tmp_path / "src", train_per_class=8, val_per_class=2)
     cache = tmp_path / "cache"

@@ -418,7 +418,8 @@ def _build_shards(todo: list[dict[str, Any]], done: dict[str, dict[str, Any]], n
     refs = {split: ray.put({"files": cache.listing.splits[split].table, "order": cache.orders[split]})
             for split in sorted(needed)} if cache is not None else {}
     ds = ray.data.from_items([{"unit": json.dumps(u)} for u in todo], override_num_blocks=len(todo))
-    ds = ds.map(_map_unit, fn_kwargs={"tables": refs}, num_cpus=num_cpus, concurrency=min(concurrency, len(todo)))
+    ds = ds.map(_map_unit, fn_kwargs={"tables": refs}, num_cpus=num_cpus,
+                compute=ray.data.TaskPoolStrategy(size=min(concurrency, len(todo))))
     step = max(1, len(todo) // 10)
     built = 0
     for row in ds.iter_rows():

@@ -117,7 +117,8 @@ def run(units: list[dict[str, Any]], out_dir: str, num_cpus: float, concurrency:
         todo.append(u)
     if todo:
         ds = ray.data.from_items([{"unit": json.dumps(u)} for u in todo], override_num_blocks=len(todo))
-        ds = ds.map(_map, fn_kwargs={"out_dir": out_dir}, num_cpus=num_cpus, concurrency=min(concurrency, len(todo)))
+        ds = ds.map(_map, fn_kwargs={"out_dir": out_dir}, num_cpus=num_cpus,
+                    compute=ray.data.TaskPoolStrategy(size=min(concurrency, len(todo))))
         for row in ds.iter_rows():
             sc = json.loads(row["sidecar"])
             done[unit_name(sc["split"], sc["index"])] = sc
