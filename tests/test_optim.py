@@ -223,7 +223,7 @@ def test_label_smoothing_off_is_plain_cross_entropy():
 
 
 # --- gradient clipping ------------------------------------------------------------------------------------
-def test_grad_clip_bounds_global_norm_and_off_leaves_grads():
+def test_grad_clip_bounds_global_norm_and_off_leaves_grads_and_keeps_the_norm_on_the_device():
     model = small()
     opt = build_optimizer(model, OptimConfig(), CPU)
     set_grads(model, seed=5)
@@ -231,7 +231,9 @@ def test_grad_clip_bounds_global_norm_and_off_leaves_grads():
     assert clip_gradients(model, opt, OptimConfig(grad_clip=0.0)) is None
     assert all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters()))
     norm = clip_gradients(model, opt, OptimConfig(grad_clip=0.5))
-    assert norm == pytest.approx(torch.cat([g.flatten() for g in before]).norm().item())
+    # A tensor where the gradients are, not a float: a float would be a host sync on every GPU step.
+    assert isinstance(norm, torch.Tensor) and norm.device == before[0].device and norm.dim() == 0
+    assert norm.item() == pytest.approx(torch.cat([g.flatten() for g in before]).norm().item())
     assert torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item() == pytest.approx(0.5, rel=1e-4)
 
 

@@ -150,15 +150,15 @@ def build_loss(cfg: OptimConfig) -> nn.Module:
 
 def clip_gradients(
     model: nn.Module, opt: torch.optim.Optimizer, cfg: OptimConfig, scaler: torch.amp.GradScaler | None = None
-) -> float | None:
+) -> torch.Tensor | None:
     """Clip the global gradient norm to ``cfg.grad_clip`` (after unscaling fp16 grads); None when off.
 
     Call after backward (and after DDP's all-reduce, i.e. after ``loss.backward()`` returns) and before
-    ``scaler.step(opt)``. Returns the norm before clipping.
+    ``scaler.step(opt)``. Returns the norm before clipping as a 0-d tensor on the gradients' device: reading it
+    as a float would wait for the GPU on every step (a host sync), so only a caller that reports it reads it.
     """
     if cfg.grad_clip <= 0:
         return None
     if scaler is not None and scaler.is_enabled():
         scaler.unscale_(opt)
-    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], cfg.grad_clip)
-    return float(norm)
+    return torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], cfg.grad_clip)
