@@ -211,9 +211,13 @@ def run_command(command: str, cfg: Config, args: argparse.Namespace) -> int:
     from lightray.report.progress import print_summary_table
 
     resolve(cfg, args.resume)
-    import yaml
+    if args.verbose:
+        import yaml
 
-    print("resolved config:\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False), flush=True)
+        print("resolved config:\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False), flush=True)
+    else:  # about 150 lines a person does not read before the first step: the run's folder keeps them
+        print(f"lightray: run {cfg.name}; its resolved config is saved as config.yaml in the run's folder "
+              "(--verbose prints it here)", flush=True)
     summary = run_training(cfg, resume=args.resume, verbose=args.verbose)
     if cfg.report.mlflow:
         from lightray.report.mlflow_log import log_run
