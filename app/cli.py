@@ -159,6 +159,9 @@ def main(argv: list[str] | None = None, *, guard: bool = False) -> int:
     args, rest = build_parser(command).parse_known_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not args.verbose:  # what the units decided is in metrics.jsonl; the console keeps the driver's phases
+        for name in ("lightray.unit", "lightray.data.ingest"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     try:
         cfg = config_from_args(args, rest)
     except ConfigError as exc:
@@ -223,7 +226,7 @@ def run_command(command: str, cfg: Config, args: argparse.Namespace) -> int:
         from lightray.report.mlflow_log import log_run
 
         log_run(cfg.report.mlflow, summary["run_dir"])
-    print_summary_table(summary)
+    print_summary_table(summary, verbose=args.verbose)
     return 0
 
 

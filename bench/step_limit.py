@@ -24,6 +24,7 @@ import uuid
 
 MARKER = "LIGHTRAY_STEP_ID"
 GRACE_S = 5.0
+SCANS = 3  # looks at /proc after the command exits, 50 ms apart
 TIMED_OUT = 124
 
 
@@ -71,7 +72,12 @@ def run_limited(limit_s: float, log_path: str, command: list[str]) -> int:
             rc = proc.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
             rc = TIMED_OUT
-        left = marked_pids(MARKER, value)
+        # A child caught in execve can show an empty environment for that instant: look a few times.
+        found: set[int] = set()
+        for _ in range(SCANS):
+            found.update(marked_pids(MARKER, value))
+            time.sleep(0.05)
+        left = sorted(found)
         if left:
             end_marked(MARKER, value)
             proc.wait()

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from tests.faults import records
 from tests.finished_run import CHANCE, CLASSES, NAME, TOP1_TARGET, console, stale_cluster_address
 
 SUMMARY_FIELDS = {
@@ -55,6 +56,16 @@ def test_smoke_run_checkpoints_and_saves_config_and_classes(smoke_run):
     assert (run_dir / "config.yaml").is_file()
     # Saved, not printed: one line says where (--verbose prints the ~150 lines).
     assert "resolved config:" not in proc and "resolved config is saved as config.yaml" in proc
+
+
+def test_the_console_keeps_unit_lines_and_the_full_table_in_the_run_files(smoke_run):
+    run_dir, proc = smoke_run
+    assert "[unit]" not in proc and " INFO augment_on:" not in proc  # both in metrics.jsonl
+    assert any(r.get("event") == "unit" for r in records(run_dir))
+    table = proc[proc.rindex("lightray run "):]
+    rows = [ln for ln in table.splitlines() if " | " in ln]
+    assert 8 <= len(rows) <= 20 and "versions.torch" not in table, table
+    assert "final_top1" in table and "summary.json" in table
 
 
 def test_smoke_run_prints_and_saves_the_resolved_schedule(smoke_run):

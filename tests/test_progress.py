@@ -63,6 +63,22 @@ def test_not_a_terminal_prints_one_line_per_report_and_events_on_their_own(tmp_p
     assert "val top1 42.0%" in lines[4] and "restarts 1" in lines[4]
 
 
+@pytest.mark.parametrize("verbose", [False, True])
+def test_unit_lines_stay_in_the_file_unless_verbose(tmp_path: Path, verbose: bool) -> None:
+    out = io.StringIO()
+    metrics = tmp_path / "metrics.jsonl"
+    printer = ProgressPrinter(str(tmp_path), stream=out, tty=False, every_s=0.02, verbose=verbose).start()
+    try:
+        append(metrics, {"event": "unit", "unit": "compile", "message": "torch.compile off", "time": T0},
+               {"event": "start", "samples_seen": 0, "world_size": 2, "time": T0}, record(1, T0 + 1))
+        wait_for(lambda: "ep 0.10" in out.getvalue(), "the report")
+    finally:
+        printer.stop()
+    lines = out.getvalue().splitlines()
+    assert lines[-2].startswith("[start]") and lines[-1].startswith("ep 0.10")  # other events still print
+    assert any(ln.startswith("[unit] compile torch.compile off") for ln in lines) is verbose, lines
+
+
 def test_eta_uses_the_rate_since_the_last_restart(tmp_path: Path) -> None:
     out = io.StringIO()
     metrics = tmp_path / "metrics.jsonl"

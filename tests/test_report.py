@@ -269,6 +269,19 @@ def test_summary_table_formats_fractions_times_and_bytes() -> None:
     assert "config" not in text  # the resolved config is saved beside the summary, not a table row
 
 
+def test_the_quiet_table_keeps_the_headline_rows_and_names_the_file_with_the_rest() -> None:
+    summary = {"run_name": "r1", "status": "finished", "final_top1": 0.5, "time_to_target_s": {"0.5": 9.0},
+               "cost": {"usd": 1.5, "device_hours": 2.0}, "versions": {"torch": "2.14", "ray": "2.60"},
+               "hardware": {"nodes": 1}, "git_revision": "abc", "run_dir": "/runs/r1"}
+    quiet, full = io.StringIO(), io.StringIO()
+    print_summary_table(summary, quiet, verbose=False)
+    print_summary_table(summary, full)
+    labels = [ln.split(" | ")[0].strip() for ln in quiet.getvalue().splitlines() if " | " in ln]
+    assert labels == ["run_name", "status", "final_top1", "time_to_target_s.0.5", "cost.usd", "run_dir"]
+    assert "summary.json" in quiet.getvalue().splitlines()[-1]
+    assert "versions.torch" in full.getvalue() and "git_revision" in full.getvalue()
+
+
 # --- MLflow -----------------------------------------------------------------------------------
 
 def test_flatten_params_dots_nested_keys_and_indexes_lists_of_mappings() -> None:

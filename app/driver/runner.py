@@ -528,7 +528,8 @@ def _fit(trainer, cfg: Config, local_run_dir: str, flush_log: Callable[[], Any],
     if stream is not None:
         from lightray.report.progress import ProgressPrinter
 
-        printer = ProgressPrinter(local_run_dir, stream=stream, every_s=cfg.report.progress_every_s).start()
+        printer = ProgressPrinter(local_run_dir, stream=stream, every_s=cfg.report.progress_every_s,
+                                  verbose=cfg.report.verbose).start()
     # One spot-notice watcher per (GPU) node, kept up to date as spot replacements join.
     keeper = None
     if waiting is not None:

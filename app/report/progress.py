@@ -148,6 +148,8 @@ def _short(v: Any) -> str:
 
 # --- the printer ---------------------------------------------------------------------------
 
+QUIET_EVENTS = frozenset({"unit"})  # printed with --verbose only; metrics.jsonl keeps them all
+
 class ProgressPrinter:
     """Tails ``<run_dir>/metrics.jsonl`` in a thread and prints progress while the driver blocks.
 
@@ -156,7 +158,7 @@ class ProgressPrinter:
     """
 
     def __init__(self, run_dir: str, stream: TextIO = sys.stdout, tty: bool | None = None,
-                 every_s: float = 1.0, replay: bool = False):
+                 every_s: float = 1.0, replay: bool = False, verbose: bool = False):
         if every_s <= 0:
             raise ValueError(f"every_s: bad value {every_s!r}; expected seconds > 0")
         self.run_dir = str(run_dir)
@@ -167,6 +169,8 @@ class ProgressPrinter:
         self.tty = tty
         self.every_s = every_s
         self.replay = replay
+        # Unit lines (what each speed-up did, about 40 at a start) stay in metrics.jsonl unless asked for.
+        self.verbose = verbose
         self._tail = _Tail(storage.join(self.run_dir, METRICS_FILE))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -227,7 +231,8 @@ class ProgressPrinter:
             for rec in new:
                 self._absorb(rec)
                 if "event" in rec:
-                    self._write_line(format_event(rec))
+                    if self.verbose or rec.get("event") not in QUIET_EVENTS:
+                        self._write_line(format_event(rec))
                 elif not self.tty:
                     self._write_line(self.format_progress(rec))
                 else:
@@ -385,11 +390,28 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
-def print_summary_table(summary: dict[str, Any], stream: TextIO = sys.stdout) -> None:
-    """The final table of a run, from its summary.json contents."""
+# The rows a person reads at the end of a run (prefixes of the dotted labels); summary.json keeps every figure.
+HEADLINE_ROWS = ("run_name", "name", "status", "error", "final_top1", "final_top5", "best_top1", "time_to_target_s",
+                 "wall_time_s", "train_time_s", "train_images_per_s", "epochs", "restarts", "resizes",
+                 "preemption_checkpoints", "lost_work", "cost.usd", "run_dir")
+
+
+def headline_rows(rows: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The rows of ``rows`` named in HEADLINE_ROWS (a dotted label by its first part, or whole), in their order."""
+    def wanted(label: str) -> bool:
+        return label in HEADLINE_ROWS or label.split(".", 1)[0] in HEADLINE_ROWS
+
+    return [r for r in rows if wanted(r[0])]
+
+
+def print_summary_table(summary: dict[str, Any], stream: TextIO = sys.stdout, verbose: bool = True) -> None:
+    """The final table of a run, from its summary.json contents: every row, or (``verbose`` False) the headline
+    rows and the file that holds the rest."""
     if not isinstance(summary, dict):
         raise TypeError(f"summary: expected the summary.json mapping, got {type(summary).__name__}")
     rows = summary_rows(summary)
+    if not verbose:
+        rows = headline_rows(rows)
     width = max((len(k) for k, _ in rows), default=10)
     vwidth = max((len(v) for _, v in rows), default=10)
     rule = "-" * (width + vwidth + 3)
@@ -397,6 +419,8 @@ def print_summary_table(summary: dict[str, Any], stream: TextIO = sys.stdout) ->
     stream.write(f"{rule}\n{title}\n{rule}\n")
     stream.writelines(f"{k:<{width}} | {v}\n" for k, v in rows)
     stream.write(rule + "\n")
+    if not verbose:
+        stream.write("every figure: summary.json in the run's folder (--verbose prints them all here)\n")
     stream.flush()
 
 
