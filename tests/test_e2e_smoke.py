@@ -61,6 +61,8 @@ def test_smoke_run_checkpoints_and_saves_config_and_classes(smoke_run):
 def test_the_console_keeps_unit_lines_and_the_full_table_in_the_run_files(smoke_run):
     run_dir, proc = smoke_run
     assert "[unit]" not in proc and " INFO augment_on:" not in proc  # both in metrics.jsonl
+    before_first_step = proc[:proc.index("[first_step]")].splitlines()
+    assert len(before_first_step) <= 15, "\n".join(before_first_step)
     assert any(r.get("event") == "unit" for r in records(run_dir))
     table = proc[proc.rindex("lightray run "):]
     rows = [ln for ln in table.splitlines() if " | " in ln]

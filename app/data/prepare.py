@@ -501,8 +501,9 @@ def probe_native(listing: SourceListing | RowListing, samples: int = native.PROB
     sizes = [s for stream in streams for *_, data, _ in stream if data is not None
              and (s := native.short_side(data)) is not None]
     found = native.median(sizes[:samples])
-    log.info("prepare: native size of %s: median short side %s px over %d sampled images", listing.root, found,
-             len(sizes[:samples]))
+    # DEBUG: the run prints what the native size does to its phases in one line of its own (native.py)
+    log.debug("prepare: native size of %s: median short side %s px over %d sampled images", listing.root, found,
+              len(sizes[:samples]))
     return found
 
 

@@ -440,6 +440,9 @@ def quiet_ray_logging(verbose: bool = False) -> dict[str, Any]:
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     for name in _RAY_LOGGERS:
         logging.getLogger(name).setLevel(level)
+    # Ray Data warns once that its progress bars are off, which is what this asks for. (A module's logger name:
+    # should Ray move the module, the warning comes back; nothing else changes.)
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.INFO if verbose else logging.ERROR)
     try:
         from ray.data import DataContext
 
