@@ -67,7 +67,7 @@ def _probe_drain() -> bool:
 def _probe_callback_error_is_the_failure() -> bool:
     # MachineLossCallback (app/driver/machine_loss.py) raises a WorkerGroupError from a worker-group callback's
     # after_worker_group_poll_status: it must reach the failure policy as it is, not wrapped as a (non-retryable)
-    # controller error; and it reads the workers' node ids from the group's state.
+    # controller error; and it reads the workers' node ids and actor handles from the group's state.
     from ray.train.v2._internal.execution.controller.controller import TrainController
     from ray.train.v2._internal.execution.worker_group.worker import ActorMetadata, Worker
     from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup

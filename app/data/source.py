@@ -30,7 +30,6 @@ from lightray.storage import is_uri, join
 
 # torchvision's IMG_EXTENSIONS, compared case-insensitively (ImageNet has a few upper-case names).
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-SPLITS = ("train", "val")
 # The folders that name a split in an ImageFolder tree: val/ or validation/ is the val split; test/ is the
 # source's own test split, never trained on nor scored (a held-back test set stays held back).
 SPLIT_FOLDERS = {"train": ("train",), "val": ("val", "validation")}
@@ -227,7 +226,7 @@ def list_imagefolder(root: str, val_fraction: float = 0.0, seed: int = 0) -> Sou
     for split, folder in listing.split_dirs.items():
         classes = _list_split(fs, f"{base}/{folder}" if folder else base, folder)
         if not any(t.num_rows for t in classes.values()):
-            raise DataError(f"{join(norm, folder) if folder else norm}: no images; expected class folders holding "
+            raise DataError(f"{_join_parts(norm, folder)}: no images; expected class folders holding "
                             f"files with extensions {', '.join(IMAGE_EXTENSIONS)}")
         for name, files in sorted(classes.items()):
             if not files.num_rows:
