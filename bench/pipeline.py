@@ -213,13 +213,15 @@ def gap_breakdown(figures: dict, ratios: dict, sizes: list[int], cores: int) -> 
     for s in sizes:
         base = figures[f"dataloader_resized_{s}px_one_process_images_per_s"]
         ours = figures[f"shard_{s}px_one_process_images_per_s"]
+        eff = {}
         for name, delivered, one in (("shard", figures[f"shard_{s}px_images_per_s"], ours),
                                      ("dataloader_resized", figures[f"dataloader_resized_{s}px_images_per_s"], base)):
-            figures[f"{name}_{s}px_pipeline_efficiency"] = round(delivered / max(1e-9, cores * one), 3)
+            eff[name] = delivered / max(1e-9, cores * one)
+            figures[f"{name}_{s}px_pipeline_efficiency"] = round(eff[name], 3)
         ratios[f"work_per_image_shard_vs_dataloader_resized_{s}px"] = round(ours / max(1e-9, base), 3)
-        eff_ours, eff_base = (figures[f"shard_{s}px_pipeline_efficiency"],
-                              figures[f"dataloader_resized_{s}px_pipeline_efficiency"])
-        ratios[f"pipeline_efficiency_shard_vs_dataloader_resized_{s}px"] = round(eff_ours / max(1e-9, eff_base), 3)
+        # From the unrounded efficiencies: at 0.013 against 0.024 the rounding alone moved this ratio by 4%.
+        ratios[f"pipeline_efficiency_shard_vs_dataloader_resized_{s}px"] = round(
+            eff["shard"] / max(1e-9, eff["dataloader_resized"]), 3)
 
 
 def _resize_one(job: tuple[str, str, int]) -> None:
