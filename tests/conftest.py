@@ -84,6 +84,22 @@ def _no_stale_cluster_address():
 
 
 @pytest.fixture(autouse=True)
+def _logger_levels_restored():
+    """The CLI, run in process, quietens Ray's and lightray's loggers as it would for a user; a later test in the
+    same process must not find its INFO records filtered out before its handler (a CI run failed so, 2026-12-05)."""
+    import logging
+
+    manager = logging.root.manager
+    before = {name: lg.level for name, lg in manager.loggerDict.items() if isinstance(lg, logging.Logger)}
+    root_level = logging.root.level
+    yield
+    for name, lg in list(manager.loggerDict.items()):
+        if isinstance(lg, logging.Logger):
+            lg.setLevel(before.get(name, logging.NOTSET))
+    logging.root.setLevel(root_level)
+
+
+@pytest.fixture(autouse=True)
 def _short_train_controller_period(monkeypatch):
     """Ray Train's controller collects reports and worker-group state on a period (2 s by default), and every
     run of the suite is short: at 0.5 s a smoke run ends about 6 s sooner (41-44 s -> 36-38 s, measured here
