@@ -48,14 +48,62 @@ def checkpoints(run_dir: pathlib.Path) -> list[pathlib.Path]:
     return sorted(p for p in run_dir.glob("checkpoint_*") if p.is_dir() and (p / "meta_rank0.json").is_file())
 
 
+def driver_command(storage: pathlib.Path, name: str, *args: str, cache: pathlib.Path,
+                   address: str = "local") -> list[str]:
+    """`python app/run.py --smoke-test ...` with the run's storage, name, cache and cluster."""
+    return [sys.executable, "app/run.py", "--smoke-test", "--storage", str(storage), "--name", name,
+            f"--scaling.ray_address={address}", f"--data.cache_dir={cache}",
+            f"--data.local_cache_dir={cache / 'local'}", "--report.log_samples=true", *args]
+
+
 def driver(storage: pathlib.Path, name: str, *args: str, cache: pathlib.Path, address: str = "local",
            env: dict | None = None) -> subprocess.Popen:
     """Start `python app/run.py --smoke-test ...` as a real driver process (own process group)."""
-    cmd = [sys.executable, "app/run.py", "--smoke-test", "--storage", str(storage), "--name", name,
-           f"--scaling.ray_address={address}", f"--data.cache_dir={cache}",
-           f"--data.local_cache_dir={cache / 'local'}", "--report.log_samples=true", *args]
+    cmd = driver_command(storage, name, *args, cache=cache, address=address)
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})}, start_new_session=True)
+
+
+def run_on_a_terminal(cmd: list[str], timeout: float, columns: int = 120) -> str:
+    """Run ``cmd`` with a pseudo-terminal as its stdout and stderr, as a user's shell would, and return what it
+    printed (the terminal's own "\r\n" line ends read back as "\n"; a program's own "\r" kept). Fails with that
+    output when the command does not exit 0 within ``timeout``."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    import threading
+
+    main, side = pty.openpty()
+    fcntl.ioctl(side, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=side, stderr=side,
+                            start_new_session=True)
+    os.close(side)  # read() on the main side then ends (EIO) once every process holding the terminal has closed it
+    chunks: list[bytes] = []
+
+    def drain() -> None:  # a terminal's buffer is small: unread, it would block the program's writes
+        while True:
+            try:
+                data = os.read(main, 65536)
+            except OSError:
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        raise
+    finally:
+        reader.join(timeout=60)
+        os.close(main)
+    out = b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+    assert proc.returncode == 0, out[-6000:]
+    return out
 
 
 def kill_group(proc: subprocess.Popen) -> None:

@@ -1,7 +1,8 @@
 """One finished smoke run for every test that only reads one: the end-to-end smoke checks, export, inference
 (eval, predict, load_model), the report and the resume tests' uninterrupted reference.
 
-It is the real command, `python app/run.py --smoke-test` on a local Ray cluster with 2 gloo workers, with every
+It is the real command, `python app/run.py --smoke-test` on a local Ray cluster with 2 gloo workers, run on a
+pseudo-terminal as a user's shell runs it (the console tests read what it drew there), with every
 option those readers need: EMA (the export writes the EMA copy), TensorBoard (on by default) and the per-step
 sample log (the resume tests audit it). Its data is an ImageFolder tree of 64 px photos in 3 classes told apart
 by colour (tests/photos.py), in the smoke recipe's shape (256 train and 64 val images, 2 epochs, 32 then 48 px):
@@ -17,7 +18,7 @@ import json
 import pathlib
 import shutil
 
-from tests.faults import driver, finish
+from tests.faults import driver_command, run_on_a_terminal
 from tests.once import one_maker
 from tests.photos import photo_tree
 
@@ -56,7 +57,8 @@ def finished_run(shared: pathlib.Path, shared_cache: pathlib.Path) -> pathlib.Pa
     shutil.rmtree(run_dir, ignore_errors=True)  # an earlier attempt cut short: start again, not resume
     storage.mkdir(parents=True, exist_ok=True)
     planted = plant_stale_cluster_address()
-    out = finish(driver(storage, NAME, *finished_run_args(shared), cache=shared_cache), timeout=280)
+    out = run_on_a_terminal(driver_command(storage, NAME, *finished_run_args(shared), cache=shared_cache),
+                            timeout=280)
     (storage / STALE_RECORD).write_text(json.dumps(
         {"planted": planted, "left_after_run": planted is not None and _address_file().exists()}))
     log.write_text(out)
@@ -95,8 +97,9 @@ def stale_cluster_address(run_dir: pathlib.Path) -> dict:
 
 
 def console(run_dir: pathlib.Path) -> str:
-    """What the run printed (stdout and stderr together)."""
-    return (run_dir.parent / "run.log").read_text()
+    """What the run printed on its terminal (stdout and stderr together), its carriage returns kept."""
+    with open(run_dir.parent / "run.log", newline="") as f:  # universal newlines would read each "\r" as "\n"
+        return f.read()
 
 
 def val_source_files(run_dir: pathlib.Path) -> tuple[pathlib.Path, list[str]]:

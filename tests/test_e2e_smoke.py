@@ -2,6 +2,7 @@
 session's finished run, tests/finished_run.py)."""
 
 import json
+import re
 
 import pytest
 
@@ -68,6 +69,19 @@ def test_the_console_keeps_unit_lines_and_the_full_table_in_the_run_files(smoke_
     rows = [ln for ln in table.splitlines() if " | " in ln]
     assert 8 <= len(rows) <= 20 and "versions.torch" not in table, table
     assert "final_top1" in table and "summary.json" in table
+
+
+def test_on_a_terminal_the_run_draws_one_live_bar_with_the_figures_a_user_watches(smoke_run):
+    run_dir, proc = smoke_run
+    training = proc[proc.index("[first_step]"):proc.rindex("lightray run ")]
+    draws = [d for d in re.split(r"[\r\n]", training) if "%|" in d]
+    assert draws and draws[-1].startswith("ep 2.00 phase 1 48px 100%|"), draws
+    assert all(f in draws[-1] for f in ("loss ", " img/s", "top1 100.0%", "ETA ")), draws[-1]
+    # Redrawn in place: a row of its own for the bar, and one for each event printed above it; never a line per
+    # report, as a log off a terminal gets ("... | lr 0.1 | ...").
+    events = [r for r in records(run_dir) if r.get("event") not in (None, "unit", "start", "first_step")]
+    rows = [row for row in training.split("\n") if "%|" in row]
+    assert 1 <= len(rows) <= len(events) + 1 and " | lr " not in proc, training
 
 
 def test_smoke_run_prints_and_saves_the_resolved_schedule(smoke_run):

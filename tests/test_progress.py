@@ -100,7 +100,7 @@ def test_eta_uses_the_rate_since_the_last_restart(tmp_path: Path) -> None:
     assert "ETA 35s" in lines[4]
 
 
-def test_terminal_mode_redraws_one_line_with_carriage_returns(tmp_path: Path) -> None:
+def test_terminal_mode_draws_one_live_bar_with_the_watched_figures_and_events_above_it(tmp_path: Path) -> None:
     out = io.StringIO()
     metrics = tmp_path / "metrics.jsonl"
     printer = ProgressPrinter(str(tmp_path), stream=out, tty=True, every_s=0.02).start()
@@ -109,15 +109,21 @@ def test_terminal_mode_redraws_one_line_with_carriage_returns(tmp_path: Path) ->
             append(metrics, record(i, T0 + i))
             wait_for(lambda i=i: f"ep {i / 10:.2f}" in out.getvalue(), f"report {i}")
         assert "\n" not in out.getvalue()  # redrawn in place, never scrolled
-        append(metrics, {"event": "resize", "from": 2, "to": 1, "time": T0 + 5})
-        wait_for(lambda: "[resize]" in out.getvalue(), "the resize event")
+        append(metrics, {"step": 3, "val_top1": 0.625, "time": T0 + 3.5},
+               {"event": "resize", "from": 2, "to": 1, "time": T0 + 5}, record(4, T0 + 6, phase=1, resolution=96))
+        wait_for(lambda: "ep 0.40" in out.getvalue(), "the report after the event")
     finally:
         printer.stop()
     text = out.getvalue()
-    assert text.count("\r\x1b[2K") >= 4  # three redraws and the clear before the event
-    # the event gets its own line, and the progress line is drawn again below it
+    draws = [d for d in text.split("\r") if "%|" in d]
+    # 4% of 10,000 samples, where the run is, and the figures a user watches
+    assert draws[-1].startswith("ep 0.40 phase 1 96px   4%|")
+    assert "| loss 2.6000 | 50 img/s | top1 62.5% |" in draws[-1]
+    assert "ETA " in draws[-1] and "lr " not in draws[-1]  # the bar keeps to the watched figures
+    # the event gets a whole line of its own above the bar, which is drawn again below it; stop() ends the line
     before, after = text.split("[resize] from=2 to=1\n")
-    assert after.startswith("ep 0.30") and text.endswith("\n")
+    assert before.endswith("\r") and after.startswith("\rep 0.30") and text.endswith("\n")
+    assert text.count("\n") == 2
 
 
 def test_partial_line_is_printed_once_when_completed(tmp_path: Path) -> None:

@@ -5,9 +5,10 @@ The driver blocks in ``trainer.fit()`` while rank 0 appends one JSON line per re
 console needs nothing from the workers but the file they write anyway: the same view works for a
 local run, a cluster run on shared storage, and a resumed run.
 
-On a terminal one line is redrawn in place (``"\\r"`` + clear-line); into a pipe or log file each
+On a terminal one live tqdm bar over the run's samples is redrawn in place, with the figures a user
+watches (epoch, phase, loss, img/s, last top-1, ETA); into a pipe or log file (a cluster job) each
 report becomes one line, since carriage returns make logs unreadable. Events (restart, resize,
-unit, preemption_checkpoint, ...) always get a line of their own.
+preemption_checkpoint, ...) always get a line of their own, above the bar.
 """
 
 from __future__ import annotations
@@ -178,7 +179,8 @@ class ProgressPrinter:
         self._last: dict[str, Any] | None = None  # last progress record
         self._val: dict[str, float] = {}  # last validation figures
         self._anchor: tuple[float, float] | None = None  # (samples_seen, time) for the ETA rate
-        self._shown = ""  # what the in-place line currently shows
+        self._shown = ""  # what the in-place line currently shows (a record without a sample total)
+        self._bar: _LiveBar | None = None  # the terminal's live bar, made at the first record with a total
         self._warned_bad = 0
 
     # lifecycle
@@ -201,6 +203,9 @@ class ProgressPrinter:
         self._thread = None
         self.poll()
         with self._lock:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
             if self.tty and self._shown:
                 self.stream.write("\n")
                 self._shown = ""
@@ -238,7 +243,7 @@ class ProgressPrinter:
                 else:
                     latest = rec
             if self.tty and latest is not None:
-                self._draw(self.format_progress(latest))
+                self._show(latest)
 
     def _absorb(self, rec: dict[str, Any]) -> None:
         if "event" in rec:
@@ -306,8 +311,48 @@ class ProgressPrinter:
             parts.append(f"restarts {restarts}")
         return " | ".join(parts)
 
+    def bar_text(self, rec: dict[str, Any]) -> tuple[str, str]:
+        """(left, right) of the terminal's bar: where the run is, then the figures a user watches."""
+        ep = _num(rec, "epoch_progress")
+        if ep is None:
+            ep = _num(rec, "epoch")
+        left = [f"ep {ep:.2f}" if ep is not None else f"step {rec.get('step')}"]
+        if "phase" in rec:
+            left.append(f"phase {rec['phase']}")
+        if "resolution" in rec:
+            left.append(f"{rec['resolution']}px")
+        right = []
+        loss, ips = _num(rec, "loss"), _num(rec, "images_per_s")
+        if loss is not None:
+            right.append(f"loss {loss:.4f}")
+        if ips is not None:
+            right.append(f"{fmt_count(ips)} img/s")
+        if "val_top1" in self._val:
+            right.append(f"top1 {self._val['val_top1']:.1%}")
+        eta = self.eta_s(rec)
+        if eta is not None:
+            right.append(f"ETA {fmt_duration(eta)}")
+        if rec.get("restarts"):
+            right.append(f"restarts {rec['restarts']}")
+        return " ".join(left), " | ".join(right)
+
     # output
+    def _show(self, rec: dict[str, Any]) -> None:
+        total, seen = _num(rec, "total_samples"), _num(rec, "samples_seen")
+        if not total or seen is None:  # nothing to draw a bar against: the plain in-place line
+            self._draw(self.format_progress(rec))
+            return
+        if self._bar is None:
+            if self._shown:
+                self.stream.write("\r" + CLEAR_LINE)
+                self._shown = ""
+            self._bar = _LiveBar(self.stream)
+        self._bar.show(*self.bar_text(rec), done=min(seen, total), total=total)
+
     def _write_line(self, line: str) -> None:
+        if self._bar is not None:
+            self._bar.write(line)
+            return
         if self.tty and self._shown:
             self.stream.write("\r" + CLEAR_LINE)
         self.stream.write(line + "\n")
@@ -323,6 +368,43 @@ class ProgressPrinter:
         self._shown = line
         self.stream.write("\r" + CLEAR_LINE + line)
         self.stream.flush()
+
+
+class _LiveBar:
+    """The terminal's one live line: a tqdm bar over the run's samples (tqdm fits it to the terminal's width)."""
+
+    FORMAT = "{desc} {percentage:3.0f}%|{bar}| {right}"
+
+    def __init__(self, stream: TextIO):
+        from tqdm import tqdm  # a terminal only: a cluster job's log never draws a bar
+
+        class Bar(tqdm):
+            right = ""
+
+            @property
+            def format_dict(self) -> dict[str, Any]:  # tqdm's documented way to add a field to bar_format
+                return {**super().format_dict, "right": self.right}
+
+        # Driven by hand from the metrics records (their samples, and an ETA that time spent restarting does not
+        # skew), not by tqdm's own clock. Drawn first by show(), not at construction.
+        self._bar = Bar(total=1, file=stream, bar_format=self.FORMAT, dynamic_ncols=True, leave=True,
+                        mininterval=0, miniters=0, smoothing=0, delay=float("inf"))
+
+    def show(self, left: str, right: str, done: float, total: float) -> None:
+        self._bar.total, self._bar.n = total, done
+        self._bar.right = right
+        self._bar.set_description_str(left, refresh=False)
+        self._bar.refresh()
+
+    def write(self, line: str) -> None:
+        """A line of its own above the bar; the bar is drawn again below it."""
+        self._bar.clear()
+        self._bar.fp.write(line + "\n")
+        self._bar.refresh()
+
+    def close(self) -> None:
+        self._bar.close()
+        self._bar.fp.write("\n")  # the last state stays on screen (tqdm leaves a bar it was not asked to draw)
 
 
 # --- final table ---------------------------------------------------------------------------
