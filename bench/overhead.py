@@ -250,7 +250,7 @@ def run_lightray(images: np.ndarray, labels: np.ndarray, cfg, steps: int, warmup
     run_dir = storage.join(cfg.storage, cfg.name)
     os.makedirs(run_dir, exist_ok=True)
     workers = cfg.worker_range()[1]
-    _limit_data_resources(workers * cfg.scaling.cpus_per_worker)
+    _limit_data_resources(cfg)
     runlog = start_runlog(cfg.name, run_dir, cfg.report.tensorboard)
     trainer = TorchTrainer(
         _pinned_train_loop,

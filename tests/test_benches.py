@@ -35,11 +35,9 @@ def _one_json_line(args: list[str], timeout: int = 900) -> dict:
     return res
 
 
-@pytest.mark.bench
-@pytest.mark.slow
-@pytest.mark.timeout(3600)  # three Ray cluster starts on a shared 2-core machine
+@pytest.mark.slow  # about 100 s alone; in CI since it went stale unseen once (runner's signature changed)
 def test_overhead_bench_runs_interleaved_pairs_with_threads_pinned_alike_and_judges_the_spread():
-    check_overhead(_one_json_line(["bench.overhead", "--quick", "--pairs", "3"], timeout=3500))
+    check_overhead(_one_json_line(["bench.overhead", "--quick", "--pairs", "3"], timeout=280))
 
 
 def check_overhead(res: dict) -> None:
