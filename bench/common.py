@@ -13,6 +13,7 @@ import pathlib
 import platform
 import sys
 import time
+from collections import defaultdict
 from typing import Any, TextIO
 
 import psutil
@@ -210,3 +211,87 @@ def pin_threads(threads: int) -> int:
 def machine_cores() -> int:
     """CPUs this process may run on (the affinity mask, else the count)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+# Ray names a worker process after what it runs ("ray::RayTrainWorker...", "ray::MapBatches(...)"); the cluster's
+# daemons keep their program's name. First match wins.
+PROCESS_KINDS = (
+    ("train_workers", ("RayTrainWorker",)),
+    ("train_controller", ("TrainController", "Controller")),
+    ("ray_data_tasks", ("MapBatches", "_map_task", "ReadRange", "SplitCoordinator", "Map(", "StreamSplit")),
+    ("run_log_actor", ("RunLog",)),
+    ("idle_ray_workers", ("ray::IDLE",)),
+    ("ray_daemons", ("raylet", "gcs_server", "dashboard", "Dashboard", "log_monitor", "autoscaler", "runtime_env",
+                     "RuntimeEnvAgent", "monitor.py")),
+    ("other_ray_workers", ("ray::", "default_worker.py")),
+)
+
+
+def process_kind(proc: psutil.Process) -> str:
+    """What a process of a local Ray cluster is (``PROCESS_KINDS``), from its name and command line."""
+    try:
+        text = proc.name() + " " + " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return "gone"
+    for kind, marks in PROCESS_KINDS:
+        if any(m in text for m in marks):
+            return kind
+    return "other"
+
+
+class CpuSampler:
+    """CPU-seconds of every process below ``pid`` (and ``pid`` itself), by kind, sampled every ``every_s`` in a
+    thread; ``cores_by_kind(t0, t1)`` is how many cores each kind kept busy between two wall-clock times."""
+
+    def __init__(self, pid: int, every_s: float = 0.5):
+        import threading
+
+        self.pid, self.every_s = pid, every_s
+        self.samples: list[tuple[float, dict[int, tuple[str, float]]]] = []  # (time, pid -> (kind, CPU-s))
+        self._kinds: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        try:
+            procs = [psutil.Process(self.pid), *psutil.Process(self.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        now: dict[int, tuple[str, float]] = {}
+        for proc in procs:
+            try:
+                kind = self._kinds.get(proc.pid)
+                if kind in (None, "idle_ray_workers", "other_ray_workers"):
+                    kind = process_kind(proc)  # a pooled worker takes a task's name when it starts one
+                self._kinds[proc.pid] = kind
+                t = proc.cpu_times()
+                now[proc.pid] = (kind, t.user + t.system)
+            except psutil.NoSuchProcess:
+                continue
+        self.samples.append((time.time(), now))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.every_s)
+
+    def cores_by_kind(self, t0: float, t1: float) -> dict[str, float]:
+        """Mean cores busy per kind over the samples inside [t0, t1] (a process's CPU counted under the kind it
+        had at the window's end; processes that started inside the window count from zero)."""
+        inside = [s for s in self.samples if t0 <= s[0] <= t1]
+        if len(inside) < 2:
+            return {}
+        (ta, a), (tb, b) = inside[0], inside[-1]
+        out: dict[str, float] = defaultdict(float)
+        for pid, (kind, cpu) in b.items():
+            before = a[pid][1] if pid in a else 0.0
+            out[kind] += max(0.0, cpu - before) / (tb - ta)
+        return {k: round(v, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}

@@ -63,7 +63,18 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
-from bench.common import REPO, Machine, emit, load_avg, note, pin_threads, ratio, read_jsonl, resolved_ratio
+from bench.common import (
+    REPO,
+    CpuSampler,
+    Machine,
+    emit,
+    load_avg,
+    note,
+    pin_threads,
+    ratio,
+    read_jsonl,
+    resolved_ratio,
+)
 from lightray.train.device import IMAGENET_MEAN, IMAGENET_STD
 
 POOL_STEPS = 50  # distinct global batches held in memory; step s trains on batch s % POOL_STEPS
@@ -265,7 +276,10 @@ def run_lightray(images: np.ndarray, labels: np.ndarray, cfg, steps: int, warmup
         datasets={"train_p0": partial(_train_blocks, run_dir, spec), "val": partial(_val_blocks, val_n)},
         dataset_config=_in_memory_data_config(spec, data_ref, val_ref, ph.batch_size),
     )
-    trainer.fit()
+    # Which processes keep the cores busy during the timed steps: the two training workers, or Ray Data's tasks,
+    # Ray's daemons and actors beside them (on 2 cores, every core-second they take is one the step waits for).
+    with CpuSampler(os.getpid(), every_s=1.0) as sampler:
+        trainer.fit()
     ray.get(runlog.flush.remote())
     wall = time.perf_counter() - t0
     lines = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
@@ -280,7 +294,8 @@ def run_lightray(images: np.ndarray, labels: np.ndarray, cfg, steps: int, warmup
     return {"steps_per_s": (steps - warmup) / dt, "wall_s": wall, "steps": int(max(at)), "threads": used,
             "first_loss": records[0]["loss"], "last_loss": at[steps]["loss"],
             "data_wait_frac": statistics.mean(float(r["data_wait_frac"]) for r in records if r["step"] > warmup),
-            "val_samples": val[-1].get("val_samples") if val else None}
+            "val_samples": val[-1].get("val_samples") if val else None,
+            "cores_busy_by_kind": sampler.cores_by_kind(at[warmup]["time"], at[steps]["time"])}
 
 
 def lightray_in_child(argv: list[str]) -> dict[str, Any]:
@@ -400,6 +415,9 @@ def summarise(args: argparse.Namespace, cfg: Any, pairs: Pairs) -> tuple[dict[st
         "lightray_torch_threads": sorted({t for r in lights for t in r["threads"]}),
         "lightray_data_wait_frac": round(statistics.median(r["data_wait_frac"] for r in lights), 4),
         "lightray_val_samples": lights[0]["val_samples"],
+        # Measured (psutil, every second) over the timed steps of each lightray run: cores each kind of process
+        # kept busy; the plain side has only its training processes.
+        "lightray_cores_busy_by_kind_runs": [r.get("cores_busy_by_kind", {}) for r in lights],
     }
     ratios = {"lightray_over_plain_steps_per_s": verdict["median"],
               "lightray_over_plain_steps_per_s_min": verdict["min"],
