@@ -223,7 +223,7 @@ PROCESS_KINDS = (
     ("idle_ray_workers", ("ray::IDLE",)),
     ("ray_daemons", ("raylet", "gcs_server", "dashboard", "Dashboard", "log_monitor", "autoscaler", "runtime_env",
                      "RuntimeEnvAgent", "monitor.py")),
-    ("other_ray_workers", ("ray::", "default_worker.py")),
+    ("other_ray_workers", ("ray::",)),
 )
 
 
@@ -233,6 +233,8 @@ def process_kind(proc: psutil.Process) -> str:
         text = proc.name() + " " + " ".join(proc.cmdline())
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return "gone"
+    if "default_worker.py" in text:  # a worker before Ray retitles it; its arguments name the raylet and the rest
+        return "other_ray_workers"
     for kind, marks in PROCESS_KINDS:
         if any(m in text for m in marks):
             return kind
