@@ -141,6 +141,14 @@ def format_event(rec: dict[str, Any]) -> str:
     return line if len(line) <= 240 else line[:237] + "..."
 
 
+def _position(rec: dict[str, Any]) -> str:
+    """Where a progress record is: its epoch to two places, or its step when it has no epoch."""
+    ep = _num(rec, "epoch_progress")
+    if ep is None:
+        ep = _num(rec, "epoch")
+    return f"ep {ep:.2f}" if ep is not None else f"step {rec.get('step')}"
+
+
 def _short(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
@@ -276,12 +284,7 @@ class ProgressPrinter:
         return left / rate
 
     def format_progress(self, rec: dict[str, Any]) -> str:
-        parts: list[str] = []
-        ep = _num(rec, "epoch_progress")
-        if ep is None:
-            ep = _num(rec, "epoch")
-        step = rec.get("step")
-        parts.append(f"ep {ep:.2f}" if ep is not None else f"step {step}")
+        parts: list[str] = [_position(rec)]
         sched = []
         if "phase" in rec:
             sched.append(f"phase {rec['phase']}")
@@ -313,10 +316,7 @@ class ProgressPrinter:
 
     def bar_text(self, rec: dict[str, Any]) -> tuple[str, str]:
         """(left, right) of the terminal's bar: where the run is, then the figures a user watches."""
-        ep = _num(rec, "epoch_progress")
-        if ep is None:
-            ep = _num(rec, "epoch")
-        left = [f"ep {ep:.2f}" if ep is not None else f"step {rec.get('step')}"]
+        left = [_position(rec)]
         if "phase" in rec:
             left.append(f"phase {rec['phase']}")
         if "resolution" in rec:
