@@ -215,7 +215,7 @@ def run_lightray(cfg, batches: list[dict[str, np.ndarray]], steps: int, warmup: 
     return {"starts": starts, "parts_ms": parts, "calls": dict(timers.calls), "comm_mode": trainer.comm.mode}
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--pairs", type=int, default=5)
     p.add_argument("--steps", type=int, default=300, help="timed steps per side and pair")
@@ -232,6 +232,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in ("pairs", "steps", "warmup", "batch", "resolution", "classes", "report_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: bad value {getattr(args, name)}; expected at least 1")
+    return args
+
+
+def measure_pairs(args: argparse.Namespace) -> dict[str, Any]:
+    """The interleaved pairs: each side's ms per step, lightray's parts, and what its last run reported."""
+    batches = make_batches(args)
+    out: dict[str, Any] = {"plain": [], "lightray": [], "parts": defaultdict(list), "comm_mode": None, "calls": {}}
+    with tempfile.TemporaryDirectory(prefix="lightray-host-time-") as tmp:
+        for pair in range(args.pairs):
+            cfg, steps = build_config(args, f"{tmp}/runs")
+            got = {}
+            for side in ("plain", "lightray") if pair % 2 == 0 else ("lightray", "plain"):
+                if side == "plain":
+                    got[side] = per_step_ms(run_plain(cfg, batches, steps, args.report_every)["starts"], args.warmup)
+                    continue
+                res = run_lightray(cfg, batches, steps, args.warmup, f"{tmp}/runs/pair{pair}")
+                got[side] = per_step_ms(res["starts"], args.warmup)
+                out["comm_mode"], out["calls"] = res["comm_mode"], res["calls"]
+                for k, v in res["parts_ms"].items():
+                    out["parts"][k].append(v)
+            out["plain"].append(got["plain"])
+            out["lightray"].append(got["lightray"])
+            note(f"pair {pair + 1}/{args.pairs}: plain {got['plain']:.3f} ms/step, lightray "
+                 f"{got['lightray']:.3f} ms/step, added {got['lightray'] - got['plain']:+.3f} ms")
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
     machine = Machine()
     threads = pin_threads(1)
     import torch.distributed as dist
@@ -240,34 +269,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if own_group:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=datetime.timedelta(seconds=60))
-    batches = make_batches(args)
-    plain_ms, lightray_ms, added = [], [], []
-    parts: dict[str, list[float]] = defaultdict(list)
-    comm_mode, calls = None, {}
     try:
-        with tempfile.TemporaryDirectory(prefix="lightray-host-time-") as tmp:
-            for pair in range(args.pairs):
-                cfg, steps = build_config(args, f"{tmp}/runs")
-                order = ("plain", "lightray") if pair % 2 == 0 else ("lightray", "plain")
-                got = {}
-                for side in order:
-                    if side == "plain":
-                        got[side] = per_step_ms(run_plain(cfg, batches, steps, args.report_every)["starts"],
-                                                args.warmup)
-                    else:
-                        res = run_lightray(cfg, batches, steps, args.warmup, f"{tmp}/runs/pair{pair}")
-                        got[side] = per_step_ms(res["starts"], args.warmup)
-                        comm_mode, calls = res["comm_mode"], res["calls"]
-                        for k, v in res["parts_ms"].items():
-                            parts[k].append(v)
-                plain_ms.append(got["plain"])
-                lightray_ms.append(got["lightray"])
-                added.append(got["lightray"] - got["plain"])
-                note(f"pair {pair + 1}/{args.pairs}: plain {got['plain']:.3f} ms/step, lightray "
-                     f"{got['lightray']:.3f} ms/step, added {added[-1]:+.3f} ms")
+        got = measure_pairs(args)
     finally:
         if own_group:
             dist.destroy_process_group()
+    plain_ms, lightray_ms, parts = got["plain"], got["lightray"], got["parts"]
+    added = [q - p for p, q in zip(plain_ms, lightray_ms)]
     add = spread(added, 4)
     beyond = [sum(v[i] for k, v in parts.items() if k != "inputs") for i in range(len(added))]
     rest = [a - b for a, b in zip(added, beyond)]
@@ -276,17 +284,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "plain_ms_per_step": spread(plain_ms, 4), "lightray_ms_per_step": spread(lightray_ms, 4),
         "parts_ms_per_step": {k: spread(v, 4) for k, v in sorted(parts.items())},
         "parts_beyond_plain_ms_per_step": spread(beyond, 4), "added_beyond_parts_ms_per_step": spread(rest, 4),
-        "calls_in_timed_steps": calls, "comm_mode": comm_mode, "torch_threads": threads, "steps": args.steps,
-        "warmup": args.warmup,
-        "batch": args.batch, "resolution": args.resolution, "widths": args.widths,
-        "report_every": args.report_every, "goal_added_ms": 0.5,
+        "calls_in_timed_steps": got["calls"], "comm_mode": got["comm_mode"], "torch_threads": threads,
+        "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "resolution": args.resolution,
+        "widths": args.widths, "report_every": args.report_every, "goal_added_ms": 0.5,
     }
-    shared = statistics.median(plain_ms)
     ratios = {
         "added_ms_per_step": {**add, "spread": width,
                               "resolved": bool(add["n"] >= 2 and width is not None and width <= abs(add["median"]))},
         "lightray_over_plain_steps_per_s": resolved_ratio([p / q for p, q in zip(plain_ms, lightray_ms)]),
-        "plain_step_ms_median": round(shared, 4),
+        "plain_step_ms_median": round(statistics.median(plain_ms), 4),
     }
     return emit("host_time", figures, ratios, machine.finish(argv))
 

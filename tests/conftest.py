@@ -163,10 +163,12 @@ def lightray_wheel(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture
 def s3_storage(monkeypatch):
-    moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed")
+    pytest.importorskip("moto.server", reason="moto[server] is not installed")
+    from tests.s3_server import LocalS3Server
+
     for k, v in S3_ENV.items():
         monkeypatch.setenv(k, v)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server = LocalS3Server()  # moto, with its conditional writes atomic as S3's are (tests/s3_server.py)
     server.start()
     try:
         host, port = server.get_host_and_port()

@@ -33,7 +33,11 @@ def test_a_ray_worker_is_not_taken_for_a_daemon_by_the_arguments_that_name_them(
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "default_worker.py",
                                "--raylet-name=/tmp/ray/raylet", "--runtime-env-agent-port=0"])
     try:
-        assert process_kind(psutil.Process(worker.pid)) == "other_ray_workers"
+        proc, deadline = psutil.Process(worker.pid), time.monotonic() + 30
+        while "default_worker.py" not in proc.cmdline():  # until the child has exec'd (before, it is this process)
+            assert time.monotonic() < deadline, proc.cmdline()
+            time.sleep(0.01)
+        assert process_kind(proc) == "other_ray_workers"
     finally:
         worker.kill()
         worker.wait()
