@@ -434,7 +434,9 @@ def soak_and_reference(args: argparse.Namespace, storage: pathlib.Path, cache: p
     from tests.imds_server import ImdsServer
 
     stamp = time.strftime("%H%M%S")
-    with NodeCluster(workers=args.nodes) as nodes, ImdsServer() as imds:
+    # Ray Train's barriers give up after the run's collective timeout, as cluster.yaml sets it on every node.
+    node_env = {"RAY_TRAIN_COLLECTIVE_TIMEOUT_S": str(args.collective_timeout_s)}
+    with NodeCluster(workers=args.nodes, env=node_env) as nodes, ImdsServer() as imds:
         soak = Soak(nodes, storage, cache, f"chaos-{stamp}", epochs, args.seed, imds, kinds, env=driver_env,
                     collective_timeout_s=args.collective_timeout_s, max_failures=args.max_failures)
         try:

@@ -320,7 +320,8 @@ class NodeCluster:
            "RAY_health_check_period_ms": "1000",
            "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": "5"}  # as cluster.yaml sets it on every node
 
-    def __init__(self, workers: int = 2, head_cpus: int = 2, worker_cpus: float = 1):
+    def __init__(self, workers: int = 2, head_cpus: int = 2, worker_cpus: float = 1, env: dict | None = None):
+        self.env = {**self.ENV, **(env or {})}  # what a cluster's nodes would be set up with (cluster.yaml)
         self.n_workers = workers
         self.head_cpus = head_cpus
         self.worker_cpus = worker_cpus
@@ -345,7 +346,7 @@ class NodeCluster:
 
         if ray.is_initialized():
             ray.shutdown()
-        for k, v in self.ENV.items():
+        for k, v in self.env.items():
             self._saved_env[k] = os.environ.get(k)
             os.environ[k] = v
         _refresh_ray_config()  # this process caches the auth mode it saw first (Ray does the same on enabling it)

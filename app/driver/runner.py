@@ -102,6 +102,11 @@ def connect_ray(cfg: Config, verbose: bool = False, dashboard: bool = False) -> 
     ncpu = cfg.scaling.ray_num_cpus or 2 * (os.cpu_count() or 1)
     for key, value in CLUSTER_ENV.items():  # a cluster started below inherits them; a value the user set wins
         os.environ.setdefault(key, value)
+    # Ray Train's own barriers (a report with a checkpoint waits for every rank at its synchronization actor) wait
+    # forever by default: a peer stopped just before one hung the run for good, where a peer stopped inside a
+    # gloo/NCCL collective fails the group after scaling.collective_timeout_s (CI saw it once, 2026-12-05). The
+    # same limit for both; the controller reads it from its environment, as it does CLUSTER_ENV.
+    os.environ.setdefault("RAY_TRAIN_COLLECTIVE_TIMEOUT_S", str(cfg.scaling.collective_timeout_s))
     ray_private.check()
     if address in ("local", "auto"):  # a cluster may start here: Ray's State API must not ask a dead one
         stale = ray_private.drop_stale_cluster_address()
