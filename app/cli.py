@@ -42,8 +42,9 @@ examples:
 def _run_flags(p: argparse.ArgumentParser) -> None:
     """The flags that make a config: shared by train, tune and prepare."""
     p.add_argument("--config", default=None, metavar="NAME|PATH",
-                   help="recipe name from the package's recipes (demo, smoke, cifar10, imagenet-rn50-dawnbench, "
-                        "imagenet-rn18-16ep, finetune) or a YAML path (default: demo; smoke with --smoke-test)")
+                   help="recipe name from the package's recipes (demo, smoke, cifar10, imagenette, "
+                        "imagenet-rn50-dawnbench, imagenet-rn18-16ep, finetune) or a YAML path (default: demo; "
+                        "with --data, picked from the data and the GPUs; smoke with --smoke-test)")
     p.add_argument("--data", metavar="PATH|URI", help="ImageFolder tree (train/<class>/*.jpg, val/<class>/*.jpg), "
                    "Parquet files (image + label columns, train-*/validation-*) or WebDataset tars (.jpg + .cls): "
                    "a local path or a pyarrow URI such as s3://bucket/imagenet; default: the embedded demo")
@@ -116,15 +117,36 @@ def parse_overrides(rest: list[str]) -> dict[str, Any]:
     return out
 
 
-def config_from_args(args: argparse.Namespace, rest: list[str]) -> Config:
+def user_overrides(args: argparse.Namespace, rest: list[str]) -> dict[str, Any]:
+    """Every config key the command line sets: the dotted overrides and the shorthand flags."""
     overrides = parse_overrides(rest)
     for flag, key in {"storage": "storage", "name": "name", **SHORTHANDS}.items():
         if getattr(args, flag, None):
             overrides[key] = getattr(args, flag)
     if args.verbose:
         overrides["report.verbose"] = "true"
+    return overrides
+
+
+def config_from_args(args: argparse.Namespace, rest: list[str]) -> Config:
     recipe = args.config or ("smoke" if args.smoke_test else "demo")
-    return load_config(recipe, overrides)
+    return load_config(recipe, user_overrides(args, rest))
+
+
+def picks_recipe(args: argparse.Namespace, cfg: Config) -> bool:
+    """No recipe named and a source of the user's own: the recipe is picked from it (lightray/recipe_pick.py)."""
+    return not args.config and not getattr(args, "smoke_test", False) and cfg.data.source != "demo"
+
+
+def picked_config(args: argparse.Namespace, rest: list[str], cfg: Config) -> Config:
+    """``cfg`` (the default recipe) rebuilt on the recipe picked for its source; prints the one line that says
+    which and why."""
+    from lightray.recipe_pick import pick_recipe
+
+    overrides = user_overrides(args, rest)
+    pick = pick_recipe(cfg, set(overrides))
+    print(pick.line(), flush=True)
+    return load_config(pick.recipe, {**pick.overrides, **overrides})
 
 
 def write_reports(path: str) -> list[str]:
@@ -175,6 +197,8 @@ def main(argv: list[str] | None = None, *, guard: bool = False) -> int:
         if status is not None:  # the guardian, after the driver ended
             return status
     try:
+        if picks_recipe(args, cfg):  # after the guard's fork: the pick reads the source with pyarrow's threads
+            cfg = picked_config(args, rest, cfg)
         return run_command(command, cfg, args)
     except Exception as exc:
         from lightray.data.source import DataError

@@ -57,42 +57,60 @@ def load_arrays(source: str, val_fraction: float, seed: int, limits: dict[str, i
     return out
 
 
-def load_tree(tree: str, sizes: list[int], eval_size: int, eval_tier: int, crop_ratio: float) -> dict[str, Any]:
-    """An ImageFolder tree (``train/<class>/*``, ``val/<class>/*``) decoded once: per size in ``sizes`` the
+def tree_samples(tree: str, val_fraction: float = 0.0, seed: int = 0, limits: dict[str, int] | None = None
+                 ) -> tuple[list[str], dict[str, list]]:
+    """The classes and per split the (path, label) pairs of an image tree, as a run lists them: the same class
+    order, the same files, for a tree without ``val/`` the same seeded hold-out (``data.val_fraction``,
+    ``data.val_seed``), and a limit's same evenly spaced files (``data.limit_train``, ``data.limit_val``)."""
+    from lightray.data.prepare import selected_ids
+    from lightray.data.source import run_val_fraction
+    from lightray.data.sources import list_source
+
+    listing = list_source(tree, run_val_fraction(tree, val_fraction), seed, val_fraction > 0)
+    out = {}
+    for split in ("train", "val"):
+        table = listing.splits[split].table
+        cols = table.take(selected_ids(len(table), (limits or {}).get(split, 0))).select(["path", "label"])
+        cols = cols.to_pydict()
+        out[split] = [(f"{listing.root}/{p}", int(lab)) for p, lab in zip(cols["path"], cols["label"])]
+    return listing.classes, out
+
+
+def load_tree(tree: str, sizes: list[int], eval_size: int, eval_tier: int, crop_ratio: float,
+              val_fraction: float = 0.0, seed: int = 0, limits: dict[str, int] | None = None) -> dict[str, Any]:
+    """An image tree as :func:`tree_samples` lists it, decoded once: per size in ``sizes`` the
     training images resized to that short side, top-left in one (n, H, W, 3) uint8 array padded with each
     image's edge pixels, with their (height, width) in ``hw``; the validation images resized to ``eval_tier``,
     centre-cropped to ``crop_ratio`` of the short side and resized to ``eval_size`` (``val_cropped``)."""
-    from torchvision.datasets import ImageFolder
-
     from lightray.data.images import RESAMPLE, resize_short
 
     t0 = time.perf_counter()
-    train, val = ImageFolder(f"{tree}/train"), ImageFolder(f"{tree}/val")
+    classes, samples = tree_samples(tree, val_fraction, seed, limits)
     by_size: dict[int, list[np.ndarray]] = {s: [] for s in sizes}
     short_sides = []
-    for path, _label in train.samples:
+    for path, _label in samples["train"]:
         with Image.open(path) as im:
             img = im.convert("RGB")
         short_sides.append(min(img.size))
         for s in sizes:
             by_size[s].append(np.asarray(resize_short(img, s)))
-    out: dict[str, Any] = {"classes": train.classes, "native_short_side": int(np.median(short_sides)),
+    out: dict[str, Any] = {"classes": classes, "native_short_side": int(np.median(short_sides)),
                            "train_by_res": {}, "val_cropped": True}
-    labels = np.asarray(train.targets, np.int64)
+    labels = np.asarray([lab for _p, lab in samples["train"]], np.int64)
     for s, imgs in by_size.items():
         hw = np.asarray([a.shape[:2] for a in imgs], np.int64)
         canvas = np.stack([np.pad(a, ((0, hw[:, 0].max() - a.shape[0]), (0, hw[:, 1].max() - a.shape[1]), (0, 0)),
                                   mode="edge") for a in imgs])
         out["train_by_res"][s] = (canvas, labels, hw)
     crops = []
-    for path, _label in val.samples:
+    for path, _label in samples["val"]:
         with Image.open(path) as im:
             img = resize_short(im.convert("RGB"), eval_tier)
         side = min(img.size) * crop_ratio
         x0, y0 = (img.size[0] - side) / 2, (img.size[1] - side) / 2
         crops.append(np.asarray(img.resize((eval_size, eval_size), RESAMPLE, box=(x0, y0, x0 + side, y0 + side))))
     out["train"] = (out["train_by_res"][max(sizes)][0], labels)
-    out["val"] = (np.stack(crops), np.asarray(val.targets, np.int64))
+    out["val"] = (np.stack(crops), np.asarray([lab for _p, lab in samples["val"]], np.int64))
     out["decode_s"] = time.perf_counter() - t0
     return out
 

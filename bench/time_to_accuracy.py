@@ -62,6 +62,14 @@ is ``plain_fixed_resolution``, the same loop at the final phase for every epoch.
 The decode into memory counts as the baselines' start-up (their wall time), as prepare counts as lightray's.
     python -m bench.time_to_accuracy --dataset cifar10 --repeats 3
     python -m bench.time_to_accuracy --dataset cifar10 --quick --target 0.3     # the smallest check
+
+``--dataset imagenette`` (``--data``: a tree of class folders, default ``../shared/data/imagenette``, the
+training split of Imagenette2 at 224 px): the ``imagenette`` recipe (96 -> 128 px, 5 epochs), validated on its
+seeded hold-out. The same two baselines; the same-recipe one holds the tree resized once to each phase's size
+(``plain_recipe.load_tree``, the run's own listing and hold-out), as fast.ai's resized copies. Every side's
+top-1 after each epoch is in ``top1_per_epoch``: accuracy per epoch is the measure that holds on any hardware.
+    python -m bench.time_to_accuracy --dataset imagenette --repeats 2 --no-fixed
+    python -m bench.time_to_accuracy --dataset imagenette --quick --target 0.3   # 1,000 photos, 2 epochs
 """
 
 from __future__ import annotations
@@ -349,28 +357,31 @@ def ratios_against(base_runs: list[dict[str, Any]], light_runs: list[dict[str, A
     return out
 
 
-# --- CIFAR-10: real photos, against the same recipe in plain PyTorch over the decoded arrays -------------------
-DEFAULT_CIFAR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                             "shared", "data", "cifar10")
+# --- real photos: CIFAR-10 (Parquet) and Imagenette (a tree), against the same recipe in plain PyTorch ---------
+SHARED_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                           "shared", "data")
+DEFAULT_DATA = {"cifar10": os.path.join(SHARED_DATA, "cifar10"), "imagenette": os.path.join(SHARED_DATA, "imagenette")}
+QUICK = {  # a check, not a figure: few photos, few epochs, the recipe's phases at batch 64 (the LR follows it)
+    "cifar10": {"data.limit_train": 4000, "data.limit_val": 500, "schedule.epochs": 4},
+    "imagenette": {"data.limit_train": 1000, "data.limit_val": 200, "schedule.epochs": 2},
+}
 
 
-def cifar_overrides(data: str, quick: bool) -> dict[str, Any]:
-    """The cifar10 recipe on ``data``; ``quick``: 4,000 training and 500 validation photos, 4 epochs, the recipe's
-    phases at batch 64 instead of 512 (enough steps to learn; the LR follows the batch): a check."""
+def photo_overrides(dataset: str, data: str, quick: bool) -> dict[str, Any]:
+    """The ``dataset`` recipe on ``data``; ``quick``: :data:`QUICK`'s photos and epochs."""
     from lightray.config import load_config
 
     out: dict[str, Any] = {"data.source": data}
     if quick:
         phases = [{"until": p.until, "scale": p.scale, "resolution": p.resolution, "batch_size": 64,
-                   "min_scale": p.min_scale} for p in load_config("cifar10").schedule.phases]
-        out.update({"data.limit_train": 4000, "data.limit_val": 500, "schedule.epochs": 4,
-                    "schedule.phases": phases})
+                   "min_scale": p.min_scale} for p in load_config(dataset).schedule.phases]
+        out.update({**QUICK[dataset], "schedule.phases": phases})
     return out
 
 
 def demo_arrays(tree: str, cfg) -> tuple[Any, dict[str, Any]]:
-    """The demo tree as the same-recipe baseline holds it (every phase's size, the eval crop), and the recipe
-    fitted to its native size as a run fits it."""
+    """An image tree (the demo's, Imagenette's) as the same-recipe baseline holds it (every phase's size, the
+    eval crop; the run's hold-out and limits), and the recipe fitted to its native size as a run fits it."""
     import copy
 
     from bench import plain_recipe
@@ -382,12 +393,14 @@ def demo_arrays(tree: str, cfg) -> tuple[Any, dict[str, Any]]:
     eval_size = default_eval_resolution(cfg.schedule)
     tiers = tiers_for(cfg)
     eval_tier = next((t for t in tiers if t >= eval_size), tiers[-1])  # as Manifest.tier_for picks a run's
-    arrays = plain_recipe.load_tree(tree, sizes, eval_size, eval_tier, cfg.data.val_crop_ratio)
+    arrays = plain_recipe.load_tree(tree, sizes, eval_size, eval_tier, cfg.data.val_crop_ratio,
+                                    cfg.data.val_fraction, cfg.data.val_seed,
+                                    {"train": cfg.data.limit_train, "val": cfg.data.limit_val})
     fitted = copy.deepcopy(cfg)
     native.fit_schedule(fitted, arrays["native_short_side"])
     missing = sorted({p.resolution for p in fitted.schedule.phases} - set(arrays["train_by_res"]))
     if missing:
-        raise RuntimeError(f"demo tree {tree}: the recipe fitted to its native size "
+        raise RuntimeError(f"tree {tree}: the recipe fitted to its native size "
                            f"{arrays['native_short_side']} px trains at {missing} px, which were not prepared")
     return fitted, arrays
 
@@ -407,21 +420,30 @@ def plain_side(cfg, arrays: dict[str, Any], targets: list[float], threads: int, 
                         threads=threads, fixed_final=fixed_final)
 
 
-def main_cifar(args: argparse.Namespace, repeats: int) -> int:
+def photo_inputs(args: argparse.Namespace) -> tuple[dict[str, Any], Any, dict[str, Any]]:
+    """The overrides, the recipe as the plain sides take it (fitted to the photos' native size, as a run fits
+    it) and the photos decoded once for them."""
     from bench import plain_recipe
     from lightray.config import load_config
     from lightray.data import native
 
-    overrides = cifar_overrides(args.data, args.quick)
-    cfg = load_config("cifar10", overrides)
+    overrides = photo_overrides(args.dataset, args.data, args.quick)
+    cfg = load_config(args.dataset, overrides)
+    if args.dataset == "imagenette":
+        cfg, arrays = demo_arrays(args.data, cfg)
+        return overrides, cfg, arrays
+    arrays = plain_recipe.load_arrays(args.data, cfg.data.val_fraction, cfg.data.val_seed,
+                                      {"train": cfg.data.limit_train, "val": cfg.data.limit_val})
+    native.fit_schedule(cfg, int(min(arrays["train"][0].shape[1:3])))
+    return overrides, cfg, arrays
+
+
+def main_photos(args: argparse.Namespace, repeats: int) -> int:
+    overrides, cfg, arrays = photo_inputs(args)
     targets = sorted(args.target if args.target else list(cfg.report.targets))
     threads = args.plain_threads or machine_cores()
     machine = Machine()
-    arrays = plain_recipe.load_arrays(args.data, cfg.data.val_fraction, cfg.data.val_seed,
-                                      {"train": cfg.data.limit_train, "val": cfg.data.limit_val})
-    # The plain sides take the recipe as the run fits it to the photos' native size (short side of the arrays).
-    native.fit_schedule(cfg, int(min(arrays["train"][0].shape[1:3])))
-    note(f"cifar10: {len(arrays['train'][1])} train / {len(arrays['val'][1])} val photos decoded in "
+    note(f"{args.dataset}: {len(arrays['train'][1])} train / {len(arrays['val'][1])} val photos decoded in "
          f"{arrays['decode_s']:.1f} s; {repeats} repeat(s); plain sides: {threads} torch threads")
     light, same, fixed, loads = [], [], [], []
     for rep in range(repeats):
@@ -430,7 +452,7 @@ def main_cifar(args: argparse.Namespace, repeats: int) -> int:
         for side in (("lightray", "same") if rep % 2 == 0 else ("same", "lightray")):
             note(f"repeat {rep + 1}/{repeats}: {side} (seed {seed}, load {load_avg()})")
             if side == "lightray":
-                light.append(run_lightray(args.storage, overrides, targets, seed, recipe="cifar10"))
+                light.append(run_lightray(args.storage, overrides, targets, seed, recipe=args.dataset))
             else:
                 same.append(plain_side(cfg, arrays, targets, threads, seed, fixed_final=False))
         if not args.no_fixed:
@@ -438,7 +460,7 @@ def main_cifar(args: argparse.Namespace, repeats: int) -> int:
             fixed.append(plain_side(cfg, arrays, targets, threads, seed, fixed_final=True))
     final = cfg.schedule.phases[-1]
     figures: dict[str, Any] = {
-        "dataset": "cifar10", "source": args.data, "targets": targets, "repeats": repeats,
+        "dataset": args.dataset, "source": args.data, "targets": targets, "repeats": repeats,
         "seeds": [args.seed + r for r in range(repeats)], "model": cfg.model.arch, "widths": list(cfg.model.widths),
         "train_images": len(arrays["train"][1]), "val_images": len(arrays["val"][1]),
         "val": f"seeded hold-out of the training split (data.val_fraction={cfg.data.val_fraction:g}, "
@@ -449,7 +471,9 @@ def main_cifar(args: argparse.Namespace, repeats: int) -> int:
         "lightray": {**summarize_side(light, targets), "workers": light[0]["workers"],
                      "run_dirs": [r["run_dir"] for r in light]},
         "plain_same_recipe": {**summarize_side(same, targets), "threads": threads, "processes": 1,
-                              "data": "decoded uint8 arrays in memory, batched roi_align crops"},
+                              "data": "decoded uint8 arrays in memory" + (", one per phase size" if "train_by_res"
+                                                                          in arrays else "")
+                                      + ", batched roi_align crops"},
     }
     ratios = ratios_against(same, light, targets, "vs_plain_same_recipe")
     if fixed:
@@ -457,7 +481,7 @@ def main_cifar(args: argparse.Namespace, repeats: int) -> int:
                                              "resolution": final.resolution}
         ratios.update(ratios_against(fixed, light, targets, "vs_plain_fixed_res"))
     emit("time_to_accuracy", figures, ratios, machine.finish(None, quick=args.quick, repeats=repeats,
-                                                              dataset="cifar10", plain_threads=threads))
+                                                              dataset=args.dataset, plain_threads=threads))
     return 0
 
 
@@ -480,10 +504,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lightray storage; its cache/ holds the demo tree and shard cache, kept between runs")
     p.add_argument("--quick", action="store_true", help="4 classes, 1,200 images, 8 epochs, 1 repeat: a check "
                    "(cifar10: 4,000 photos, 4 epochs)")
-    p.add_argument("--dataset", choices=["demo", "cifar10"], default="demo",
-                   help="demo (synthetic shapes) or cifar10 (real photos, the cifar10 recipe)")
-    p.add_argument("--data", default=DEFAULT_CIFAR, help="the CIFAR-10 training split as Parquet (--dataset cifar10)")
-    p.add_argument("--no-fixed", action="store_true", help="cifar10: skip the fixed-resolution plain loop")
+    p.add_argument("--dataset", choices=["demo", "cifar10", "imagenette"], default="demo",
+                   help="demo (synthetic shapes), or real photos with their recipe: cifar10, imagenette")
+    p.add_argument("--data", default=None, help="cifar10: the training split as Parquet; imagenette: a tree of "
+                   "class folders (default: ../shared/data/<dataset>)")
+    p.add_argument("--no-fixed", action="store_true", help="cifar10, imagenette: skip the fixed-resolution loop")
     return p
 
 
@@ -614,11 +639,12 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
     if repeats < 1:
         p.error(f"--repeats={repeats}: expected a positive integer")
-    if args.dataset == "cifar10":
+    if args.dataset != "demo":
         for t in args.target or []:
             if not 0 < t <= 1:
                 p.error(f"--target={t}: expected a top-1 fraction in (0, 1]")
-        return main_cifar(args, repeats)
+        args.data = args.data or DEFAULT_DATA[args.dataset]
+        return main_photos(args, repeats)
     if args.example_epochs is not None and args.example_epochs < 1:
         p.error(f"--example-epochs={args.example_epochs}: expected a positive integer")
     overrides = quick_overrides() if args.quick else {}

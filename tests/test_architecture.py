@@ -25,6 +25,7 @@ ALLOWED = {
               "plain_rng", "ray_private"},
     "driver": {"config", "storage", "provenance", "startup", "schedule", "data", "report", "train", "ray_private"},
     "inference": {"config", "storage", "data", "train"},
+    "recipe_pick": {"config", "data"},
     "tune": {"config", "storage", "startup", "schedule", "data", "report", "train", "driver", "ray_private"},
 }
 TOP = {"api", "cli", "model_cli", "run"}

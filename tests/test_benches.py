@@ -35,9 +35,12 @@ def _one_json_line(args: list[str], timeout: int = 900) -> dict:
     return res
 
 
-@pytest.mark.slow  # about 100 s alone; in CI since it went stale unseen once (runner's signature changed)
+# About 100 s alone; in CI since it went stale unseen once (runner's signature changed). It checks the line's
+# arithmetic, not a speed, so it runs beside the heavy tests (shares_cpu): 198 s of CI's serial time before.
+@pytest.mark.slow
+@pytest.mark.shares_cpu
 def test_overhead_bench_runs_interleaved_pairs_with_threads_pinned_alike_and_judges_the_spread():
-    check_overhead(_one_json_line(["bench.overhead", "--quick", "--pairs", "3"], timeout=280))
+    check_overhead(_one_json_line(["bench.overhead", "--quick", "--pairs", "3"], timeout=290))
 
 
 def check_overhead(res: dict) -> None:
@@ -262,6 +265,24 @@ def test_time_to_accuracy_on_cifar10_runs_the_same_recipe_plain_and_names_the_ra
                 continue
             want = fig[side][f"{key}_to_target"]["0.3"]["median"] / fig["lightray"][f"{key}_to_target"]["0.3"]["median"]
             assert r["median"] == pytest.approx(want, rel=0.02)
+
+
+@pytest.mark.bench  # by hand (python -m pytest -m bench): a third real-photo run beside CIFAR-10's would cost CI
+@pytest.mark.slow  # about 2 more minutes, and the recipe choice and the hold-out have default-suite tests
+def test_time_to_accuracy_on_imagenette_scores_the_runs_hold_out_and_gives_top1_per_epoch(tmp_path):
+    data = REPO.parent / "shared" / "data" / "imagenette"
+    if not data.is_dir():
+        pytest.skip(f"{data}: the Imagenette training split is not beside this checkout")
+    res = _one_json_line(["bench.time_to_accuracy", "--dataset", "imagenette", "--quick", "--target", "0.2",
+                          "--storage", str(tmp_path)], timeout=900)
+    fig = res["figures"]
+    assert fig["dataset"] == "imagenette" and fig["train_images"] == 1000 and fig["val_images"] == 200
+    assert fig["recipe"]["phases"] == [[96, 64, 0.35], [112, 64, 0.35], [128, 64, 0.35]]
+    assert fig["recipe"]["eval_resolution"] == 128
+    # 10 classes: chance 0.1 (200 photos: 0.10 +- 0.02); two epochs of 1,000 photos learn a little above it.
+    for side in ("lightray", "plain_same_recipe", "plain_fixed_resolution"):
+        per_epoch = fig[side]["top1_per_epoch"][0]
+        assert 1 <= len(per_epoch) <= 2 and fig[side]["best_top1"]["median"] >= 0.2, (side, per_epoch)
 
 
 @pytest.mark.slow  # the bench end to end

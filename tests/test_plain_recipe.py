@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from bench.plain_recipe import load_tree, random_resized_crop
+from bench.plain_recipe import load_tree, random_resized_crop, tree_samples
 
 
 def _tree(root: pathlib.Path) -> None:
@@ -37,6 +37,29 @@ def test_a_tree_is_held_once_per_phase_size_with_each_images_own_size(tmp_path):
     xs, ys = got["val"]
     assert xs.shape == (2, 20, 20, 3) and ys.tolist() == [0, 1]
     assert got["train"][0] is got["train_by_res"][24][0]
+
+
+def test_a_bare_tree_of_class_folders_is_held_out_and_limited_as_a_run_prepares_it(tmp_path):
+    # The plain baseline must score the photos the run scores: the run's seeded hold-out and evenly spaced limit.
+    from lightray.data.prepare import selected_ids
+    from lightray.data.sources import list_source
+
+    rng = np.random.default_rng(1)
+    for c in range(3):
+        (tmp_path / f"n{c}").mkdir()
+        for i in range(20):
+            Image.fromarray(rng.integers(0, 255, (12, 16, 3), dtype=np.uint8)).save(tmp_path / f"n{c}" / f"{i}.png")
+    classes, got = tree_samples(str(tmp_path), 0.2, 7, {"train": 30})
+    listing = list_source(str(tmp_path), 0.2, 7, True)
+    val = listing.splits["val"].table.to_pydict()
+    assert classes == ["n0", "n1", "n2"]
+    assert got["val"] == [(f"{tmp_path}/{p}", lab) for p, lab in zip(val["path"], val["label"])]
+    assert len(got["val"]) == 12 and sorted({lab for _p, lab in got["val"]}) == [0, 1, 2]  # 4 of 20 per class
+    train = listing.splits["train"].table.to_pydict()
+    assert got["train"] == [(f"{tmp_path}/{train['path'][i]}", train["label"][i]) for i in selected_ids(48, 30)]
+    assert not {p for p, _ in got["train"]} & {p for p, _ in got["val"]}
+    other = tree_samples(str(tmp_path), 0.2, 8)[1]["val"]
+    assert other != got["val"]  # the seed draws the hold-out
 
 
 @pytest.mark.parametrize("hw_known", [True, False])

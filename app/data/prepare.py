@@ -507,7 +507,7 @@ def probe_native(listing: SourceListing | RowListing, samples: int = native.PROB
     return found
 
 
-def _native_of(listing: SourceListing | RowListing, cache_root: str) -> int | None:
+def native_size_of(listing: SourceListing | RowListing, cache_root: str) -> int | None:
     """The probed native size, kept beside the caches under the listing's fingerprint: a run that finds its cache
     reads one small file instead of sampling the source's images again."""
     path = join(storage.normalise(cache_root), "_native", f"{listing.fingerprint()[:32]}.json")
@@ -551,7 +551,7 @@ def prepare(source: str, cache_root: str, tiers: list[int], *, jpeg_quality: int
     listing = list_source(source, val_fraction, val_seed, val_fraction_explicit)
     probed = None
     if tiers_at_native is not None:
-        probed = _native_of(listing, cache_root)
+        probed = native_size_of(listing, cache_root)
         tiers = tiers_at_native(probed)
     cache = _plan_cache(listing, cache_root, tiers, jpeg_quality, raw_max_resolution, shard_rows, limit)
     cache.probed = probed
