@@ -143,10 +143,9 @@ def picked_config(args: argparse.Namespace, rest: list[str], cfg: Config) -> Con
     which and why."""
     from lightray.recipe_pick import pick_recipe
 
-    overrides = user_overrides(args, rest)
-    pick = pick_recipe(cfg, set(overrides))
+    pick = pick_recipe(cfg)
     print(pick.line(), flush=True)
-    return load_config(pick.recipe, {**pick.overrides, **overrides})
+    return load_config(pick.recipe, {**pick.overrides, **user_overrides(args, rest)})  # the user's keys win
 
 
 def write_reports(path: str) -> list[str]:

@@ -40,7 +40,7 @@ FULL_IMAGENET = 300_000  # at least: an ImageNet-scale budget, worth GPUs and th
 @dataclass
 class Pick:
     recipe: str
-    overrides: dict[str, Any] = field(default_factory=dict)  # set only where the user did not set the key
+    overrides: dict[str, Any] = field(default_factory=dict)  # under the user's own: a key the user set wins
     reason: str = ""
 
     def line(self) -> str:
@@ -50,7 +50,7 @@ class Pick:
 @dataclass
 class DataFacts:
     native: int | None  # median short side, px
-    images: int  # training images listed; -1 when only known after reading (tar shards)
+    images: int  # images of the train and val splits (a hold-out is drawn from them); -1: only known once read
     classes: int  # 0 when only known after reading (integer labels)
 
 
@@ -106,9 +106,6 @@ def facts_of(cfg: Any) -> DataFacts:
     return DataFacts(native_size_of(listing, resolve_cache_root(cfg)), images, len(listing.classes))
 
 
-def pick_recipe(cfg: Any, user_keys: set[str]) -> Pick:
-    """The recipe for ``cfg``'s source (``cfg`` is the default recipe with the user's overrides); the pick's own
-    overrides leave out every key in ``user_keys``."""
-    pick = choose(facts_of(cfg), gpus_here(cfg.scaling.use_gpu))
-    pick.overrides = {k: v for k, v in pick.overrides.items() if k not in user_keys}
-    return pick
+def pick_recipe(cfg: Any) -> Pick:
+    """The recipe for ``cfg``'s source (``cfg`` is the default recipe with the user's overrides)."""
+    return choose(facts_of(cfg), gpus_here(cfg.scaling.use_gpu))

@@ -379,7 +379,7 @@ def photo_overrides(dataset: str, data: str, quick: bool) -> dict[str, Any]:
     return out
 
 
-def demo_arrays(tree: str, cfg) -> tuple[Any, dict[str, Any]]:
+def tree_arrays(tree: str, cfg) -> tuple[Any, dict[str, Any]]:
     """An image tree (the demo's, Imagenette's) as the same-recipe baseline holds it (every phase's size, the
     eval crop; the run's hold-out and limits), and the recipe fitted to its native size as a run fits it."""
     import copy
@@ -430,7 +430,7 @@ def photo_inputs(args: argparse.Namespace) -> tuple[dict[str, Any], Any, dict[st
     overrides = photo_overrides(args.dataset, args.data, args.quick)
     cfg = load_config(args.dataset, overrides)
     if args.dataset == "imagenette":
-        cfg, arrays = demo_arrays(args.data, cfg)
+        cfg, arrays = tree_arrays(args.data, cfg)
         return overrides, cfg, arrays
     arrays = plain_recipe.load_arrays(args.data, cfg.data.val_fraction, cfg.data.val_seed,
                                       {"train": cfg.data.limit_train, "val": cfg.data.limit_val})
@@ -663,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
     t = time.perf_counter()
     tree = demo_tree(args.storage, overrides)
     demo_s = time.perf_counter() - t
-    same_cfg, arrays = demo_arrays(tree, demo_cfg)
+    same_cfg, arrays = tree_arrays(tree, demo_cfg)
     note(f"demo tree {tree} ready ({demo_s:.1f} s), decoded at {sorted(arrays['train_by_res'])} px for the same "
          f"recipe in plain PyTorch ({arrays['decode_s']:.1f} s); {repeats} repeat(s); baselines: {threads} torch "
          f"threads, {loader_workers} loader workers")
