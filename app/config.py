@@ -384,6 +384,9 @@ class ReportConfig:
     # e.g. [0.93] for the DAWNBench target
     top5_targets: Annotated[list[Float], BeforeValidator(_yaml_list)] = field(default_factory=list)
     log_samples: Bool = False  # each rank records the sample ids of every step (audits of the epoch plan)
+    # where each rank writes that log: "" = the run folder (local storage only); a local or shared folder, which
+    # a run on object storage needs (a per-step append there would be one object write a step)
+    sample_log_dir: Str = ""
     mlflow: Str = ""
     verbose: Bool = False
     # console progress poll interval (ProgressPrinter every_s)
@@ -738,6 +741,9 @@ def check_config(cfg: Config) -> None:
     if cfg.comm.mode == "auto" and cfg.comm.link_gbps <= 0:
         raise ConfigError("comm.link_gbps: bad value 0; comm.mode=auto needs the link speed between nodes in Gbit/s "
                           "(e.g. 25), which Ray cannot measure")
+    if "://" in cfg.report.sample_log_dir:
+        raise ConfigError(f"report.sample_log_dir: bad value {cfg.report.sample_log_dir!r}; expected a local or "
+                          "shared folder (each rank appends to its log at every step)")
     for key in ("targets", "top5_targets"):
         for t in getattr(cfg.report, key):
             if not 0.0 < t <= 1.0:

@@ -109,6 +109,8 @@ def _probes() -> dict[str, object]:
         "ray._private.state.GlobalState.actor_table(job_id=, actor_state_name=)": _probe_actor_table,
         "the GCS client's drain_node and GlobalState.get_draining_nodes (spot notices)": _probe_drain,
         "ray._raylet.PlacementGroupID, ending with its job's id": _probe_placement_group_id,
+        f"ray.train.v2's WorkerHealthCheckTimeoutError and {HEALTH_CHECK_TIMEOUT_ENV} (a hung lone worker would "
+        "be charged to scaling.max_failures)": _probe_health_check_timeout,
         f"ray.data's autoscaling coordinator named {AUTOSCALING_COORDINATOR} with cancel_request(requester_id) "
         "(a killed driver's bookings would hold its run back 3 minutes)": _probe_coordinator,
     }
@@ -182,6 +184,26 @@ def worker_group_nodes(worker_group) -> dict[int, str]:
     """World rank -> node id (hex) of each worker of a Ray Train worker group (its workers are in rank order)."""
     workers = worker_group.get_worker_group_state().workers
     return {rank: str(w.metadata.node_id) for rank, w in enumerate(workers)}
+
+
+HEALTH_CHECK_TIMEOUT_ENV = "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"
+
+
+def health_check_timed_out(error: Exception) -> bool:
+    """Whether a worker's error is Ray Train's health-check timeout: the controller's poll of the worker went
+    unanswered for ``RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S`` (a stopped or wedged process; a lone worker has
+    no peer whose collective would time out instead)."""
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckTimeoutError
+
+    return isinstance(error, WorkerHealthCheckTimeoutError)
+
+
+def _probe_health_check_timeout() -> bool:
+    from ray.train.v2._internal import constants
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckTimeoutError
+
+    return constants.WORKER_HEALTH_CHECK_TIMEOUT_S_ENV_VAR == HEALTH_CHECK_TIMEOUT_ENV and \
+        health_check_timed_out(WorkerHealthCheckTimeoutError("probe"))
 
 
 def worker_group_actors(worker_group) -> dict[int, Any]:

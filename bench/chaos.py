@@ -67,7 +67,7 @@ ROOT = pathlib.Path(__file__).parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import Machine, emit, json_stdout, note  # noqa: E402
+from bench.common import Machine, emit, json_stdout, note, stopped_process_ended  # noqa: E402
 from tests.faults import (  # noqa: E402  (the same real cluster + driver helpers as the tests)
     NodeCluster,
     carried_samples,
@@ -138,20 +138,6 @@ def next_checkpoint_samples(sched, after: int, margin_steps: int = 1) -> int | N
         if steps > margin_steps and (steps_for(sched, s) % CHECKPOINT_EVERY == 0 or s == sched.epoch_start(epoch + 1)):
             return s
     return None
-
-
-def _ended(pid: int) -> bool:
-    """Whether a stopped worker is gone (or a zombie); one still there is killed, not left stopped."""
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return True
-        proc.kill()
-        return False
-    except psutil.NoSuchProcess:
-        return True
 
 
 class Soak:
@@ -292,7 +278,7 @@ class Soak:
         starts = _starts_after(recs, fault["time"])
         done = bool(starts) and any(r["time"] > starts[0]["time"] for r in _train(recs))
         if done and "stopped_pid" in fault:
-            fault["hung_process_ended"] = _ended(fault.pop("stopped_pid"))
+            fault["hung_process_ended"] = stopped_process_ended(fault.pop("stopped_pid"))
         if done and fault["kind"] in ("driver_kill", "checkpoint_corrupt"):  # the new driver's own word
             fault["released_bookings"] = any("cancelled the resource bookings" in line for line in self.outputs[-1])
         return done
@@ -435,7 +421,8 @@ def soak_and_reference(args: argparse.Namespace, storage: pathlib.Path, cache: p
 
     stamp = time.strftime("%H%M%S")
     # Ray Train's barriers give up after the run's collective timeout, as cluster.yaml sets it on every node.
-    node_env = {"RAY_TRAIN_COLLECTIVE_TIMEOUT_S": str(args.collective_timeout_s)}
+    node_env = {"RAY_TRAIN_COLLECTIVE_TIMEOUT_S": str(args.collective_timeout_s),
+                "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S": str(args.collective_timeout_s)}
     with NodeCluster(workers=args.nodes, env=node_env) as nodes, ImdsServer() as imds:
         soak = Soak(nodes, storage, cache, f"chaos-{stamp}", epochs, args.seed, imds, kinds, env=driver_env,
                     collective_timeout_s=args.collective_timeout_s, max_failures=args.max_failures)

@@ -128,6 +128,19 @@ def kill_processes(procs: list[psutil.Process]) -> None:
             continue
 
 
+def stopped_process_ended(pid: int) -> bool:
+    """Whether a worker the bench stopped (SIGSTOP) is gone, or a zombie, after its run moved on; one still there
+    is killed, not left stopped (it would hold its machine's GPU)."""
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return True
+        proc.kill()
+        return False
+    except psutil.NoSuchProcess:
+        return True
+
+
 def stop_processes(procs: list[psutil.Process], grace_s: float = 10.0) -> None:
     """SIGTERM each process (as ``ray stop`` does), then SIGKILL whatever is left after ``grace_s``."""
     for proc in procs:

@@ -64,6 +64,13 @@ def test_error_names_the_bad_value_and_what_is_allowed():
     assert "'vgg'" in msg and "resnet18" in msg
 
 
+def test_a_sample_log_on_object_storage_is_refused_naming_the_key():
+    # Each rank appends to its sample log at every step: a folder, never an object store.
+    with pytest.raises(ConfigError, match=r"^report.sample_log_dir: bad value 's3://b/log'; expected a local"):
+        load_config("smoke", {"report.sample_log_dir": "s3://b/log"})
+    assert load_config("smoke", {"report.sample_log_dir": "/tmp/log"}).report.sample_log_dir == "/tmp/log"
+
+
 def test_dotted_overrides_reach_the_typed_config():
     cfg = load_config("demo", parse_overrides(["--optim.lr_per_256=0.8", "--schedule.epochs", "3",
                                                "--data.tiers=[32, 64]", "--model.channels_last=false"]))

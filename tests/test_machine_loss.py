@@ -120,3 +120,31 @@ def test_a_peer_that_stops_answering_is_a_preemption_and_one_that_answers_leaves
     assert hung.preempted and "stopped answering" in str(hung) and f"node {node}" in str(hung), hung
     assert raised.worker_failures[0] is timeout
 
+
+
+def test_a_lone_worker_whose_health_check_timed_out_is_a_preemption_if_silent_and_a_failure_if_it_answers(cluster):
+    """A group of one (an elastic run shrunk to one machine) has no peer whose collective would time out: a hang
+    shows only as Ray Train's health-check timeout on the worker itself. Found by bench.soak: charged to
+    scaling.max_failures, it ended a run with no failure allowed."""
+    import ray
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckTimeoutError
+
+    @ray.remote(num_cpus=0)
+    class Worker:
+        def pid(self) -> int:
+            return os.getpid()
+
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    lone = Worker.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+    pid = ray.get(lone.pid.remote())
+    timed_out = WorkerHealthCheckTimeoutError("A worker health check has been hanging for 21.00 seconds.")
+    assert _decide({0: timed_out}, {0: node}, {0: lone}) == ("RAISE", None)  # it answers: a slow poll, a failure
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        decision, raised = _decide({0: timed_out}, {0: node}, {0: lone})
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert decision == "RETRY", raised
+    assert raised.worker_failures[0].preempted and "stopped answering" in str(raised.worker_failures[0])

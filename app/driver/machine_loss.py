@@ -100,13 +100,17 @@ def silent_ranks(rank_actors: dict[int, Any], wait_s: float = HUNG_S) -> set[int
 
 def _hung(errors: dict[int, Exception], rank_nodes: dict[int, str], rank_actors: dict[int, Any], hung_s: float
           ) -> WorkerGroupError | None:
-    silent = silent_ranks({r: a for r, a in rank_actors.items() if r not in errors}, hung_s)
+    # Asked: the ranks that reported no error, and those whose health check Ray gave up on (a lone worker's hang
+    # shows only there; its process may yet answer, if the poll was merely slow).
+    asked = {r: a for r, a in rank_actors.items() if r not in errors or ray_private.health_check_timed_out(errors[r])}
+    silent = silent_ranks(asked, hung_s)
     if not silent:
         return None
     failures = dict(errors)
     for rank in sorted(silent):
         failures[rank] = MachineLostError(f"rank {rank} (node {rank_nodes.get(rank)}) stopped answering for "
-                                          f"{hung_s:g} s while its peers failed: its machine or process is hung")
+                                          f"{hung_s:g} s after its group failed or its health check timed out: "
+                                          "its machine or process is hung")
     return WorkerGroupError(error_message=f"rank(s) {sorted(silent)} hung (no answer in {hung_s:g} s)",
                             worker_failures=failures)
 

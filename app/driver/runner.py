@@ -107,6 +107,9 @@ def connect_ray(cfg: Config, verbose: bool = False, dashboard: bool = False) -> 
     # gloo/NCCL collective fails the group after scaling.collective_timeout_s (CI saw it once, 2026-12-05). The
     # same limit for both; the controller reads it from its environment, as it does CLUSTER_ENV.
     os.environ.setdefault("RAY_TRAIN_COLLECTIVE_TIMEOUT_S", str(cfg.scaling.collective_timeout_s))
+    # A lone worker that hangs has no peer whose collective times out: only the controller's health check sees it,
+    # after 10 minutes by default. The same limit for it.
+    os.environ.setdefault(ray_private.HEALTH_CHECK_TIMEOUT_ENV, str(cfg.scaling.collective_timeout_s))
     ray_private.check()
     if address in ("local", "auto"):  # a cluster may start here: Ray's State API must not ask a dead one
         stale = ray_private.drop_stale_cluster_address()

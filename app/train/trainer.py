@@ -523,17 +523,19 @@ class Trainer:
             self.report({"event": "unit", **ev})
 
     def _open_sample_log(self):
-        """This rank's log of the sample ids of every step (``report.log_samples``, local runs only)."""
-        if not self.cfg.report.log_samples or "://" in self.run_dir:
+        """This rank's log of the sample ids of every step (``report.log_samples``): in the run folder, or in
+        ``report.sample_log_dir`` (a run on object storage has its log only there)."""
+        folder = self.cfg.report.sample_log_dir or os.path.join(self.run_dir, "sample_log")
+        if not self.cfg.report.log_samples or "://" in folder:
             return None
-        os.makedirs(os.path.join(self.run_dir, "sample_log"), exist_ok=True)
+        os.makedirs(folder, exist_ok=True)
         # One file per rank and attempt; the attempt id (rank 0's clock) orders attempts that resumed from
         # the same checkpoint, so an audit can tell which replay the final model carries.
         attempt = torch.tensor([int(time.time() * 1000)], dtype=torch.int64, device=self.device)
         if dist.is_initialized():
             dist.broadcast(attempt, 0)
         name = f"start{self.counters.starts}_attempt{int(attempt.item())}_rank{self.rank}.jsonl"
-        return open(os.path.join(self.run_dir, "sample_log", name), "a")
+        return open(os.path.join(folder, name), "a")
 
     # --- evaluation and checkpoints ----------------------------------------------------------------
     @property
