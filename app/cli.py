@@ -174,8 +174,14 @@ def main(argv: list[str] | None = None, *, guard: bool = False) -> int:
         logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
         return MODEL_COMMANDS[command](argv)
     if command == "report":
+        from lightray.report.plots import ReportError
+
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        print("\n".join(write_reports(build_parser("report").parse_args(argv).run)))
+        try:
+            print("\n".join(write_reports(build_parser("report").parse_args(argv).run)))
+        except ReportError as exc:  # a folder it cannot report on: one line that names it, not a traceback
+            print(f"lightray: error: {exc}", file=sys.stderr)
+            return 2
         return 0
     args, rest = build_parser(command).parse_known_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,

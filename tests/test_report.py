@@ -211,6 +211,16 @@ def test_report_skips_a_truncated_last_line_but_names_a_bad_line_in_the_middle(t
         make_report(str(run))
 
 
+def test_the_report_command_on_a_missing_folder_prints_one_error_line_and_exits_2(tmp_path: Path, capsys) -> None:
+    from lightray.cli import main
+
+    missing = tmp_path / "no-such-run"
+    assert main(["--report", str(missing)]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert err == [f"lightray: error: --report {missing}: no such folder; expected a run folder or a Tune "
+                   "experiment folder"], err
+
+
 def test_report_on_a_folder_without_metrics_says_what_it_expected(tmp_path: Path) -> None:
     with pytest.raises(ReportError, match="no metrics.jsonl; expected a run folder"):
         make_report(str(tmp_path))
