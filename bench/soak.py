@@ -55,6 +55,7 @@ if str(ROOT) not in sys.path:
 
 from bench.common import Machine, emit, json_stdout, note, stopped_process_ended  # noqa: E402
 from tests.faults import carried_samples, planned_samples, same_multiset  # noqa: E402
+from tests.s3_server import S3_ENV  # noqa: E402
 
 MACHINE_KINDS = ("loss", "notice", "hang")
 KINDS = (*MACHINE_KINDS, "driver_kill", "s3_outage")
@@ -66,7 +67,6 @@ BATCH, TRAIN_IMAGES = 64, 512
 STEPS_PER_FAULT = 20
 STEP_TIMEOUT_S = 420  # no recovery for this long: the run is stuck (a failure of the bench, not a figure)
 BUCKET = "soak"
-S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 EXCLUDES = [".git", "**/__pycache__", ".pytest_cache", ".ruff_cache", "runs", "lightray_runs", "data_cache",
             "*.egg-info", ".gl"]
 

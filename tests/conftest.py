@@ -22,7 +22,8 @@ from tests.cpu_time import (  # noqa: F401
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
-S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+from tests.s3_server import S3_ENV  # noqa: E402
+
 # Dummy credentials for the local S3 server (moto), set before any cluster starts: Ray's worker processes take
 # the environment the cluster started with, and the session cluster serves the S3 tests' Ray Data reads too.
 for _k, _v in S3_ENV.items():

@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 WRITES = frozenset({"PUT", "POST", "DELETE"})
+# Dummy credentials the local server takes (the tests' and bench.soak's).
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 class _OneWriteAtATime:
