@@ -376,6 +376,7 @@ class Soak:
             seen = [n for t, n in self.alive if t <= r["time"]]
             rows.append({"time": round(r["time"], 1), "world_size": r["world_size"], "cluster_cpus": r["cluster_cpus"],
                          "train_cpus": r["train_cpus"], "data_cpus": r["data_cpus"],
+                         "tasks_in_flight": r.get("tasks_in_flight"),
                          "machines_alive": seen[-1] if seen else None,
                          "sized_from_nodes_then": r["data_cpus"] == max(0.5, r["cluster_cpus"] - r["train_cpus"])
                          and r["cluster_cpus"] >= r["train_cpus"]})

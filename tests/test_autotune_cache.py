@@ -42,6 +42,8 @@ def test_second_start_reuses_the_calibration_of_the_same_data_on_this_machine(tm
     assert (again.map_concurrency, again.map_cpus, again.block_rows) == (first.concurrency, first.cpus,
                                                                         first.block_rows)
     assert measured == []  # the second start timed nothing
+    # Both record the CPUs the calibration had, which each worker-group start scales the tasks in flight by.
+    assert spec.map_concurrency_cpus == again.map_concurrency_cpus == autotune.data_cpus(1.0)
 
 
 def test_calibration_cache_misses_for_other_data_or_another_machine(tmp_path, ray_local):
@@ -86,3 +88,31 @@ def test_a_calibrated_plan_block_holds_one_tasks_rows_for_every_rank(tmp_path, r
     assert "cached from a calibration" in four.reason
     assert spec.block_rows == four.block_rows == 4 * one.block_rows
     assert "x 4 ranks" in spec.events[-1]["message"]
+
+
+def test_a_start_far_from_the_calibrations_cpus_times_again_and_one_near_them_scales(tmp_path, ray_local):
+    """Calibrated at the driver's start on the 0.5-CPU floor of a head alone (a curve of one point: one task), a
+    worker-group start that leaves Ray Data far more CPUs times the curve again on them (its own copy of the
+    spec takes the answer; the block rows stay); a start within 2x of the calibration's CPUs scales the tasks
+    in flight by its CPUs instead."""
+    from lightray.data.ingest import PlanDataConfig
+
+    total = ray.cluster_resources()["CPU"]
+    assert total - 0.5 > 2 * 0.5  # one worker of 0.5 CPU leaves Ray Data far more than the floor
+    spec = _spec(tmp_path)
+    spec.calibration_seconds = 0.5
+    floor = autotune.apply(spec, seconds=0.5, train_cpus=total - 0.5)  # on the floor: what a head alone gives
+    assert (floor.concurrency, spec.map_concurrency_cpus) == (1, 0.5)
+    said: list[dict] = []
+    start = PlanDataConfig(ray.cloudpickle.loads(ray.cloudpickle.dumps(spec)), 0.5, record=said.append)
+    start.configure({}, 1, None, ["node"])
+    far = said[-1]
+    assert "calibrated again at this start, 0.5 CPUs then" in far["message"], far["message"]
+    assert start.spec.map_concurrency_cpus == far["data_cpus"] == total - 0.5
+    assert far["tasks_in_flight"] == start.spec.map_concurrency and far["task_cpus"] == start.spec.map_cpus
+    assert start.spec.block_rows == spec.block_rows and spec.map_concurrency_cpus == 0.5  # the driver's is as was
+
+    spec.map_concurrency, spec.map_concurrency_cpus = 4, (total - 0.5) / 1.5  # calibrated on 2/3 of the CPUs
+    near = PlanDataConfig(ray.cloudpickle.loads(ray.cloudpickle.dumps(spec)), 0.5, record=said.append)
+    near.configure({}, 1, None, ["node"])
+    assert said[-1]["tasks_in_flight"] == 6 and "scaled to this start's" in said[-1]["message"]

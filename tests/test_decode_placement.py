@@ -5,14 +5,16 @@ task, never in the driver (a cluster without GPUs is not probed at all)."""
 
 from __future__ import annotations
 
-import time
+import json
+from functools import partial
 
 import psutil
 import pytest
 import ray
 import torch
+import torch.distributed as dist
 
-from lightray.data import autotune
+from lightray.data import autotune, start_decode
 from lightray.data.autotune import data_cores_per_gpu, estimate_decode, pick_decode
 from lightray.data.ingest import plan_decode
 from lightray.data.manifest import Manifest
@@ -25,6 +27,13 @@ RES = 48
 def jpeg_manifest(tmp_path_factory) -> Manifest:
     # A local cluster without GPUs (2 CPUs); raw_max_resolution=0 stores the tier as JPEG.
     yield from prepared_tier(tmp_path_factory.mktemp("decode-placement"), raw_max_resolution=0)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 def test_gpu_decode_faster_than_the_cpus_but_slowing_the_step_keeps_the_cpu_path():
@@ -92,17 +101,133 @@ def test_the_gpu_probe_is_a_one_gpu_ray_task_and_a_cluster_without_gpus_is_not_p
     spec = one_phase_spec(jpeg_manifest, str(tmp_path / "local"), RES)
     assert ray.cluster_resources().get("GPU", 0) == 0
     measured: list[int] = []
-    t0 = time.perf_counter()
     choice = autotune.choose_decode(spec, 0, "auto", True, cpus_per_gpu=2.0, seconds=0.2,
                                     before_measure=lambda: measured.append(1), model_img_s=1500.0)
-    assert choice.on == "cpu" and "no GPU in the cluster" in choice.reason and "probe was not run" in choice.reason
-    assert choice.device_img_s is None and choice.cpu_img_s_per_cpu is None and measured == []  # nothing timed
-    assert time.perf_counter() - t0 < 2.0
+    assert choice.on == "cpu" and "no GPU in the cluster yet" in choice.reason and "probe was not run" in choice.reason
+    # The CPU path is timed all the same: each worker-group start decides again with it (app/data/start_decode.py).
+    assert choice.device_img_s is None and choice.cpu_img_s_per_cpu > 0 and measured == [1]
     assert autotune.cuda_decode_rate([b"\xff\xd8"]) == (None, "no GPU in the cluster (the nvJPEG probe was not run)")
     assert not torch.cuda.is_initialized()  # the driver holds no CUDA context
     plan_decode(spec, "auto", True, cpus_per_gpu=2.0, seconds=0.2, model_img_s=1500.0)
     ev = [e for e in spec.events if e["unit"] == "decode_on"][-1]
     assert ev["on"] == "cpu" and ev["model_img_s"] == 1500.0 and "no GPU in the cluster" in ev["message"]
+    assert "decided again at each worker-group start" in ev["message"]
+    rates = spec.phases[0].decode_rates  # what each worker-group start decides with
+    assert rates["device_img_s"] is None and rates["cpu_img_s_per_cpu"] > 0 and rates["model_img_s"] == 1500.0
+
+
+@pytest.fixture
+def runlog(tmp_path):
+    """The run's log actor, as a run has it: the data plan's records go there and rank 0's timing comes from it."""
+    from lightray.report.runlog import start_runlog
+
+    actor = start_runlog("start-decode-test", str(tmp_path / "run"), tensorboard=False)
+    yield actor
+    ray.kill(actor)
+
+
+def _records(runlog, unit: str) -> list[dict]:
+    return [r for r in map(json.loads, open(ray.get(runlog.flush.remote()))) if r.get("unit") == unit]
+
+
+def _start(config, world: int) -> list[str]:
+    """One worker-group start as Ray Train makes it (a fresh copy of the data config, configured for ``world``
+    ranks); the keys of rank 0's first batch."""
+    from lightray.data.ingest import make_blocks_dataset, phase_blocks
+
+    start = ray.cloudpickle.loads(ray.cloudpickle.dumps(config))
+    node = ray.get_runtime_context().get_node_id()
+    its = start.configure({"train_p0": make_blocks_dataset(phase_blocks(start.spec, 0, 0, 0))}, world, None,
+                          [node] * world)
+    return sorted(next(iter(its[0]["train_p0"].iter_batches(batch_size=4, batch_format="numpy"))))
+
+
+def _plan_config(spec):
+    from lightray.data.ingest import PlanDataConfig
+    from lightray.driver.runner import record_to_runlog
+    from lightray.report.runlog import latest_unit
+
+    return PlanDataConfig(spec, cpus_per_worker=0.5, record=partial(record_to_runlog, "start-decode-test"),
+                          probe=partial(latest_unit, "start-decode-test", start_decode.PROBE_UNIT))
+
+
+def test_a_run_planned_with_no_gpu_up_decides_decode_at_each_worker_group_start_from_the_group_it_got(
+        jpeg_manifest, tmp_path, runlog):
+    """The driver of a GPU run on a cluster that autoscales from a head alone plans with no GPU up: it used to
+    keep the CPU path for the whole run. Each start now decides from rank 0's decode timing and the cores its
+    group leaves Ray Data per GPU: here a GPU whose decode rate lies between what one worker's and three workers'
+    CPU shares feed (x the golden ratio), so a start of one worker keeps the CPU path and a start of three decodes
+    on the workers' device; the map tasks ship pixels, then JPEG bytes."""
+    spec = one_phase_spec(jpeg_manifest, str(tmp_path / "local"), RES)
+    plan_decode(spec, "auto", True, cpus_per_gpu=2.0, seconds=0.2)  # the driver, with no GPU in the cluster
+    assert start_decode.needs_probe(spec) == [spec.phases[0]] and not spec.phases[0].device_decode
+    cpu_rate = spec.phases[0].decode_rates["cpu_img_s_per_cpu"]
+    nodes, total = autotune.node_cores(), ray.cluster_resources()["CPU"]
+    cores = {w: autotune.data_cores_per_gpu(max(0.5, total - w * 0.5) / w, nodes) for w in (1, 3)}
+    gpu_rate = autotune.UNKNOWN_MODEL_RATIO * cpu_rate * (cores[1] + cores[3]) / 2  # a GPU's, as rank 0 logs it
+    ray.get(runlog.log.remote({"event": "unit", "unit": start_decode.PROBE_UNIT, "device": "cuda:0",
+                               "device_img_s": {start_decode.key_of(spec.phases[0]): gpu_rate}}))
+    keys = {w: _start(_plan_config(spec), w) for w in (1, 3)}
+    decided = _records(runlog, "decode_on")
+    assert [(r["world_size"], r["gpus"], r["on"], r["start"]) for r in decided] == [
+        (1, 1, "cpu", True), (3, 3, "device", True)], decided
+    assert [r["cores_per_gpu"] for r in decided] == pytest.approx([cores[1], cores[3]], rel=1e-2)
+    assert all(r["device_img_s"] == gpu_rate and "rank 0 on cuda:0" in r["message"] for r in decided)
+    assert "image" in keys[1] and "jpeg" not in keys[1]  # the CPU path: decoded, cropped pixels
+    assert "jpeg" in keys[3] and "box" in keys[3]  # device decode: bytes passed through with the crop boxes
+    assert len(_records(runlog, "data_share")) == 2  # said beside the data share, once per start
+    assert not spec.phases[0].device_decode  # each start decided on its own copy; the driver's spec is untouched
+
+
+def test_a_start_without_rank_zeros_decode_timing_keeps_the_cpu_path_and_says_why(jpeg_manifest, tmp_path, runlog):
+    spec = one_phase_spec(jpeg_manifest, str(tmp_path / "local"), RES)
+    plan_decode(spec, "auto", True, cpus_per_gpu=2.0, seconds=0.2)
+    keys = _start(_plan_config(spec), 2)
+    decided = _records(runlog, "decode_on")
+    assert [(r["on"], r["device_img_s"]) for r in decided] == [("cpu", None)]
+    assert "no measurement of the workers' device decode" in decided[0]["message"] and "image" in keys
+
+
+def test_rank_zero_times_decode_on_its_device_and_the_run_log_hands_the_timing_to_the_start(
+        jpeg_manifest, tmp_path):
+    """The worker side: a trainer whose spec awaits a GPU timing measures decode_jpeg on its own device (the CPU
+    device here) before any dataset is asked for, and the run's log actor returns it to the data plan."""
+    from lightray.report.runlog import latest_unit, start_runlog
+    from lightray.train.trainer import RunLogReporter
+
+    spec = one_phase_spec(jpeg_manifest, str(tmp_path / "local"), RES)
+    plan_decode(spec, "auto", True, cpus_per_gpu=2.0, seconds=0.2)
+    record = start_decode.probe_on_worker(spec, torch.device("cpu"), seconds=0.2)
+    rate = record["device_img_s"][start_decode.key_of(spec.phases[0])]
+    assert rate > 0 and record["device"] == "cpu" and "rank 0 timed decode_jpeg on cpu" in record["message"]
+    runlog = start_runlog("probe-test", str(tmp_path / "run"), tensorboard=False)
+    try:
+        assert latest_unit("probe-test", start_decode.PROBE_UNIT) is None
+        RunLogReporter("probe-test", 0).logged(record)  # returns once the log holds it: no wait needed after
+        got = latest_unit("probe-test", start_decode.PROBE_UNIT)
+    finally:
+        ray.kill(runlog)
+    assert got["device_img_s"] == record["device_img_s"] and "time" in got
+    decided = start_decode.plan_start(spec, 1, 2.0, got, autotune.node_cores())
+    assert decided[0]["device_img_s"] == rate and "rank 0 on cpu" in decided[0]["message"]
+
+
+def test_a_trainer_probes_only_when_its_spec_awaits_a_gpu_timing(jpeg_manifest, tmp_path, one_rank_group):
+    from lightray.comm.topology import Topology
+    from lightray.config import load_config
+    from lightray.train.trainer import Trainer
+
+    cfg = load_config("smoke", {"schedule.phases": f"[{{until: 1.0, resolution: {RES}, batch_size: 16}}]"})
+    for pending in (False, True):
+        spec = one_phase_spec(jpeg_manifest, str(tmp_path / "local"), RES)
+        plan_decode(spec, "auto", pending, cpus_per_gpu=2.0, seconds=0.2)  # CPU workers: decided once, no rates
+        records: list[dict] = []
+        trainer = Trainer(cfg, spec, str(tmp_path / "run"), 3, rank=0, world=1, topology=Topology(1, 0, 0, 1, 0, 1),
+                          report=records.append)
+        trainer._probe_decode()
+        probes = [r for r in records if r.get("unit") == start_decode.PROBE_UNIT]
+        assert len(probes) == int(pending), records
+    assert probes[0]["device"] == "cpu" and probes[0]["device_img_s"][start_decode.key_of(spec.phases[0])] > 0
 
 
 @pytest.mark.slow  # a cluster of its own

@@ -252,10 +252,12 @@ def test_autotune_applies_pinned_values_and_logs_its_choice(manifest, tmp_path, 
     assert "too few" in spec.events[-1]["message"]
 
 
-def test_each_worker_group_start_sizes_ray_datas_cpu_share_from_the_cluster_it_has_then(manifest, tmp_path):
+def test_each_worker_group_start_sizes_ray_datas_cpu_share_and_tasks_in_flight_from_the_cluster_it_has_then(
+        manifest, tmp_path):
     """The driver's cap was fixed before any worker existed (0.5 CPU on a head alone, for the whole run). Each
     worker-group start (Ray Train copies the data config into a new dataset manager each time) sizes it again:
-    the cluster's CPUs now less what that group's workers hold, said once per start."""
+    the cluster's CPUs now less what that group's workers hold, said once per start; the calibrated tasks in
+    flight, measured on the driver's share, are scaled to it (they used to stay as measured on the floor)."""
     import pickle
 
     import ray
@@ -272,7 +274,9 @@ def test_each_worker_group_start_sizes_ray_datas_cpu_share_from_the_cluster_it_h
 
     runlog = start_runlog("share-test", str(tmp_path / "run"), tensorboard=False)  # the run's records, as a run has
     spec = make_spec(manifest, str(tmp_path))
-    config = PlanDataConfig(spec, cpus_per_worker=1.5, on_share=partial(record_to_runlog, "share-test"))
+    # Calibrated at the driver's start on the 0.5-CPU floor: 2 tasks in flight, i.e. 4 per CPU of Ray Data's.
+    spec.map_concurrency, spec.map_concurrency_cpus = 2, 0.5
+    config = PlanDataConfig(spec, cpus_per_worker=1.5, record=partial(record_to_runlog, "share-test"))
     try:
         for world in (1, 3):  # a start on one worker, a restart on three
             start = pickle.loads(pickle.dumps(config))
@@ -285,5 +289,6 @@ def test_each_worker_group_start_sizes_ray_datas_cpu_share_from_the_cluster_it_h
         ray.kill(runlog)
     assert [(s["world_size"], s["nodes"], s["train_cpus"], s["data_cpus"]) for s in said] == [
         (1, 1, 1.5, total - 1.5), (3, 3, 4.5, max(0.5, total - 4.5))], said
+    assert [s["tasks_in_flight"] for s in said] == [round(4 * s["data_cpus"]) for s in said]
     assert all(s["event"] == "unit" and s["unit"] == "data_share" and s["cluster_cpus"] == total for s in said)
     assert said[0]["message"].startswith(f"Ray Data gets {total - 1.5:g} of the cluster's {total:g} CPUs")

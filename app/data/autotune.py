@@ -184,6 +184,7 @@ def apply(spec: IngestSpec, *, concurrency: int = 0, cpus: float = 0.0, block_ro
                           f"{MAX_TASK_BYTES // 2**20} MiB out) x {max(1, ranks)} ranks; calibration took "
                           f"{time.perf_counter() - t0:.1f} s")
     spec.map_concurrency, spec.map_cpus, spec.block_rows = choice.concurrency, choice.cpus, choice.block_rows
+    spec.map_concurrency_cpus = avail if choice.curve and not concurrency else None  # measured here, not pinned
     curve = ", ".join(f"{p['concurrency']}: {p['images_per_s']:.0f}" for p in choice.curve)
     spec.event("preprocess_autotune",
                f"preprocessing: {choice.concurrency or 'Ray Data default'} tasks in flight x {choice.cpus:g} CPU, "
@@ -391,15 +392,17 @@ def choose_decode(spec: IngestSpec, phase: int, want: str, workers_use_cuda: boo
         return DecodeChoice("cpu", "data.decode_on=auto and the workers have no GPU: decoding in the worker "
                                    "would use the same CPUs as Ray Data tasks, without their parallelism")
     given = model_img_s if model_img_s > 0 else None
-    if cluster_gpus() < 1:  # nothing to probe on; the CPU path is not worth timing either
-        return DecodeChoice("cpu", "data.decode_on=auto: no GPU in the cluster to time decode_jpeg on (the probe "
-                                   "was not run); kept the CPU path", cpus_per_gpu=round(cpus_per_gpu, 2),
-                            model_img_s=given)
     ph = spec.phases[phase]
     if before_measure is not None:
         before_measure()
     sample = sample_encoded(spec, phase)
+    # Timed even with no GPU up yet (a cluster that autoscales from a head alone): each worker-group start
+    # decides again with it, once its rank 0 has timed decode_jpeg on its own GPU (app/data/start_decode.py).
     cpu = cpu_decode_rate(sample, ph.resolution, ph.min_scale, spec.seed, seconds)
+    if cluster_gpus() < 1:
+        return DecodeChoice("cpu", "data.decode_on=auto: no GPU in the cluster yet to time decode_jpeg on (the "
+                                   "probe was not run); the CPU path until a worker-group start decides with the "
+                                   "GPUs it got", round(cpu, 1), None, round(cpus_per_gpu, 2), None, given)
     device, where = cuda_decode_rate([d for d, _, _, _ in sample], seconds)
     cores = data_cores_per_gpu(cpus_per_gpu, node_cores())
     if device is None:

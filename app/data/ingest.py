@@ -34,7 +34,7 @@ import ray.data
 import ray.train
 
 from lightray import units
-from lightray.data import augment, autotune, data_share, shard_cache, task_batches
+from lightray.data import augment, autotune, data_share, shard_cache, start_decode, task_batches
 from lightray.data.plan import EpochPlan, rank_slice
 from lightray.data.spec import BLOCK_ROWS, IngestSpec, TierShards
 
@@ -215,42 +215,68 @@ class PlanDataConfig(ray.train.DataConfig):
     """Gives each rank its own ordered stream of its slice of every global batch."""
 
     def __init__(self, spec: IngestSpec, cpus_per_worker: float | None = None,
-                 on_share: Callable[[dict[str, Any]], None] | None = None):
-        """``cpus_per_worker``: what each Train worker reserves; given, Ray Data's CPU share is sized at every
-        worker-group start from the cluster then (app/data/data_share.py) and passed to ``on_share`` once per
-        start (the driver records it); else the driver's cap stands."""
+                 record: Callable[[dict[str, Any]], None] | None = None,
+                 probe: Callable[[], dict[str, Any] | None] | None = None):
+        """``cpus_per_worker``: what each Train worker reserves; given, each worker-group start sizes Ray Data's
+        CPU share from the cluster then (app/data/data_share.py) and decides again where the phases of
+        ``data.decode_on=auto`` decode (app/data/start_decode.py; ``probe`` returns rank 0's decode timing of
+        this start); each start's units go to ``record`` once (the driver's run log). Else the driver's cap
+        and placement stand."""
         super().__init__(datasets_to_split=[])
         self.spec = spec
-        self.cpus_per_worker, self.on_share = cpus_per_worker, on_share
-        self._shared = False  # this object is copied into each worker-group start's dataset manager
+        self.cpus_per_worker, self.record, self.probe = cpus_per_worker, record, probe
+        self._started = False  # this object is copied into each worker-group start's dataset manager
+        self._tasks = spec.map_concurrency
 
-    def _limits(self, ctx: Any, world_size: int, worker_node_ids: list | None) -> Any:
+    def _start(self, ctx: Any, world_size: int, worker_node_ids: list | None) -> tuple[Any, int | None]:
+        """(Ray Data's resource limits, tasks in flight for all ranks) of this worker-group start; planned at its
+        first dataset and said once: the data share, the tasks in flight and the decode placement."""
         from ray.data import ExecutionResources
 
         if self.cpus_per_worker is None:
-            return ctx.execution_options.resource_limits
+            return ctx.execution_options.resource_limits, self.spec.map_concurrency
         share = data_share.data_cpu_share(world_size, self.cpus_per_worker)
         ctx.execution_options.resource_limits = ExecutionResources(cpu=share["data_cpus"])
-        if not self._shared:
-            self._shared = True
+        if not self._started:  # once per start, before the first map task is made
+            self._started = True
+            said = []
+            if any(ph.decode_rates is not None for ph in self.spec.phases):
+                said += start_decode.plan_start(self.spec, world_size, share["data_cpus"],
+                                                self.probe() if self.probe else None, autotune.node_cores())
+            self._tasks, why = self._start_tasks(share)  # after the decode plan: it times the start's own work
             nodes = len(set(worker_node_ids or []))
-            message = data_share.describe(share, world_size, nodes)
-            units.unit_log("data_share", message, world_size=world_size, nodes=nodes, **share)
-            if self.on_share is not None:
-                self.on_share({"event": "unit", "unit": "data_share", "message": message, "world_size": world_size,
-                               "nodes": nodes, **share})
-        return ctx.execution_options.resource_limits
+            message = (data_share.describe(share, world_size, nodes) +
+                       f"; {self._tasks or 'default'} tasks in flight x {self.spec.map_cpus:g} CPU ({why})")
+            said.insert(0, {"event": "unit", "unit": "data_share", "message": message, "world_size": world_size,
+                            "nodes": nodes, "tasks_in_flight": self._tasks, "task_cpus": self.spec.map_cpus,
+                            **share})
+            for rec in said:
+                units.unit_log(rec["unit"], rec["message"], **{k: v for k, v in rec.items()
+                                                              if k not in ("event", "unit", "message")})
+                if self.record is not None:
+                    self.record(rec)
+        return ctx.execution_options.resource_limits, self._tasks
+
+    def _start_tasks(self, share: dict[str, Any]) -> tuple[int | None, str]:
+        """Tasks in flight for all ranks at this start (and why): timed again on this start's CPUs when they are
+        far from the calibration's (this start's copy of the spec takes the new task CPUs), else scaled."""
+        spec = self.spec
+        if spec.calibration_seconds > 0 and data_share.calibrate_again(spec.map_concurrency_cpus, share["data_cpus"]):
+            was = spec.map_concurrency_cpus
+            choice = autotune.apply(spec, block_rows=spec.block_rows, seconds=spec.calibration_seconds,
+                                    train_cpus=share["train_cpus"])  # block rows stay: the blocks are cut by them
+            return choice.concurrency, f"calibrated again at this start, {was:g} CPUs then: {choice.reason}"
+        return data_share.start_concurrency(spec.map_concurrency, spec.map_concurrency_cpus, share["data_cpus"])
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
         from ray.data import ExecutionOptions
         from ray.data.context import DataContext
 
         ctx = DataContext.get_current()
-        options = ExecutionOptions(resource_limits=self._limits(ctx, world_size, worker_node_ids),
-                                   preserve_order=True)
-        # The concurrency the autotune chose is for the whole cluster; each rank's stream gets its share.
-        per_rank = ray.data.TaskPoolStrategy(
-            size=max(1, math.ceil(self.spec.map_concurrency / world_size)) if self.spec.map_concurrency else None)
+        limits, tasks = self._start(ctx, world_size, worker_node_ids)
+        options = ExecutionOptions(resource_limits=limits, preserve_order=True)
+        # Tasks in flight are for the whole cluster; each rank's stream gets its share.
+        per_rank = ray.data.TaskPoolStrategy(size=max(1, math.ceil(tasks / world_size)) if tasks else None)
         out = [{} for _ in range(world_size)]
         for name, ds in datasets.items():
             for rank in range(world_size):
@@ -342,6 +368,9 @@ def plan_decode(spec: IngestSpec, decode_on: str, workers_use_cuda: bool, cpus_p
                                                              cpus_per_gpu, seconds, before_measure, model_img_s)
         measured[key] = choice
         ph.device_decode = choice.on == "device"
+        if decode_on == "auto" and workers_use_cuda and choice.cpu_img_s_per_cpu:
+            ph.decode_rates = {"cpu_img_s_per_cpu": choice.cpu_img_s_per_cpu, "device_img_s": choice.device_img_s,
+                               "model_img_s": choice.model_img_s}
         if ph.device_decode:
             how = ("batched nvJPEG on the workers' GPU" if workers_use_cuda else
                    "decode_jpeg on the CPU device in the Train worker (the device path on the CPU device)")
@@ -349,6 +378,8 @@ def plan_decode(spec: IngestSpec, decode_on: str, workers_use_cuda: bool, cpus_p
                    f"crop+resize+flip there; tasks pass the bytes through ({choice.reason})")
         else:
             msg = f"phase {ph.index} ({ph.resolution}px): JPEG decode in Ray Data tasks on the CPU ({choice.reason})"
+        if ph.decode_rates is not None:
+            msg += "; decided again at each worker-group start from the GPUs it gets"
         spec.event("decode_on", msg, phase=ph.index, on=choice.on, device=where,
                    cpu_img_s_per_cpu=choice.cpu_img_s_per_cpu, device_img_s=choice.device_img_s,
                    cpus_per_gpu=choice.cpus_per_gpu, cores_per_gpu=choice.cores_per_gpu,
@@ -365,6 +396,7 @@ def finalize_spec(spec: IngestSpec, data: Any, train_cpus: float, workers_use_cu
     from lightray import startup
 
     spec.block_rows = data.block_rows or BLOCK_ROWS
+    spec.calibration_seconds = data.autotune_seconds
     plan_augmentation(spec, data.augment_on, workers_use_cuda)
     if data.val_mode == "rect":
         with startup.phase("rect_val_plan"):

@@ -90,6 +90,10 @@ class PhaseSpec:
     # Device decode (JPEG tiers read from disk): tasks ship each sample's JPEG bytes, crop box and flip bit; the
     # worker decodes the batch on its device (decode_jpeg), then crops it as device augmentation does.
     device_decode: bool = False
+    # data.decode_on=auto on GPU workers: the driver's measurements ({"cpu_img_s_per_cpu", "device_img_s" (None
+    # when no GPU was up to time it on), "model_img_s"}); each worker-group start decides device_decode again
+    # from them and the group it got (app/data/start_decode.py). None: the driver's choice holds for the run.
+    decode_rates: dict[str, float | None] | None = None
 
 
 @dataclass
@@ -106,6 +110,10 @@ class IngestSpec:
     map_cpus: float = MAP_CPUS
     local_max_bytes: int = 0  # disk budget of the node-local shard copies (data.local_cache_max_gb); 0 = none
     map_concurrency: int | None = None  # tasks in flight, all ranks together; None = Ray Data's default
+    # The CPUs Ray Data had when map_concurrency was calibrated (None: pinned by the config, or not calibrated):
+    # each worker-group start scales the concurrency to the CPUs it leaves Ray Data (data_share.start_concurrency).
+    map_concurrency_cpus: float | None = None
+    calibration_seconds: float = 0.0  # data.autotune_seconds: a start with far more or fewer CPUs times again
     prefetch_batches: int = 2
     augment_on: str = "cpu"  # resolved data.augment_on: where training crops run ("cpu" | "device")
     block_rows: int = BLOCK_ROWS

@@ -462,7 +462,9 @@ def _build_trainer(cfg: Config, run_dir: str, spec: IngestSpec, sched: Schedule,
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from lightray.data.ingest import PlanDataConfig
+    from lightray.data.start_decode import PROBE_UNIT
     from lightray.driver.machine_loss import MachineLossCallback
+    from lightray.report.runlog import latest_unit
     from lightray.train.worker import train_loop_per_worker
 
     lo, hi = cfg.worker_range()
@@ -483,7 +485,8 @@ def _build_trainer(cfg: Config, run_dir: str, spec: IngestSpec, sched: Schedule,
                              # a machine gone without notice: Ray's preemption budget, not max_failures
                              callbacks=[MachineLossCallback(), *(callbacks or [])]),
         datasets=_datasets(run_dir, spec, sched),
-        dataset_config=PlanDataConfig(spec, cfg.scaling.cpus_per_worker, partial(record_to_runlog, cfg.name)),
+        dataset_config=PlanDataConfig(spec, cfg.scaling.cpus_per_worker, partial(record_to_runlog, cfg.name),
+                                      partial(latest_unit, cfg.name, PROBE_UNIT)),
     )
 
 

@@ -35,6 +35,7 @@ class RunLogWriter:
         self.tb_dir = storage.join(local_dir, "tensorboard") if tensorboard else None
         self._tb = None
         self.last: dict[str, Any] = {}
+        self.units: dict[str, dict[str, Any]] = {}  # the newest record of each unit, for latest_unit
         # Open the TensorBoard writer now, while the actor is fresh: a late first import (torch's writer, which
         # this once used) was seen to fail in this long-lived process on a 0-CPU head node.
         self._writer()
@@ -54,11 +55,17 @@ class RunLogWriter:
             self._tb.close()
             self._tb = None
             self._writer(purge_step=int(record.get("samples_seen", 0)))
+        if record.get("event") == "unit" and "unit" in record:
+            self.units[record["unit"]] = record
         if "event" not in record:
             self.last = record
             tb = self._writer()
             if tb is not None:
                 tb.scalars(record, int(record.get("samples_seen", 0)))
+
+    def latest_unit(self, unit: str) -> dict[str, Any] | None:
+        """The newest record of ``unit`` logged so far (a worker's measurement that the data plan reads)."""
+        return self.units.get(unit)
 
     def flush(self) -> str:
         if self._tb is not None:
@@ -75,6 +82,12 @@ def get_runlog(run_name: str):
         return ray.get_actor(actor_name(run_name), namespace=NAMESPACE)
     except ValueError:
         return None
+
+
+def latest_unit(run_name: str, unit: str) -> dict[str, Any] | None:
+    """The newest record of ``unit`` in the run's log actor (None: no run log, or none logged yet)."""
+    runlog = get_runlog(run_name)
+    return ray.get(runlog.latest_unit.remote(unit)) if runlog is not None else None
 
 
 def start_runlog(run_name: str, local_dir: str, tensorboard: bool = True):

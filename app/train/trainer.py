@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
+import ray
 import torch
 import torch.distributed as dist
 from ray.exceptions import RayActorError
@@ -32,7 +33,7 @@ from lightray.comm.fusion import choose_bucket_mb
 from lightray.comm.hook import CommHook
 from lightray.comm.topology import Topology
 from lightray.config import Config, Phase, config_from_dict
-from lightray.data import device_decode
+from lightray.data import device_decode, start_decode
 from lightray.data.plan import rank_slice
 from lightray.data.spec import IngestSpec
 from lightray.plain_rng import numpy_rng_from_plain, numpy_rng_to_plain
@@ -86,12 +87,22 @@ class RunLogReporter:
     def __init__(self, run_name: str, rank: int):
         self.actor = get_runlog(run_name) if rank == 0 else None
 
-    def __call__(self, record: dict[str, Any]) -> None:
+    def __call__(self, record: dict[str, Any]) -> Any:
         if self.actor is not None:
             try:
-                self.actor.log.remote(record)
+                return self.actor.log.remote(record)
             except Exception:  # the driver (and its log) may be gone; training goes on
                 self.actor = None
+        return None
+
+    def logged(self, record: dict[str, Any]) -> None:
+        """Log ``record`` and wait until the log holds it (a record another process reads next)."""
+        ref = self(record)
+        try:
+            if ref is not None:
+                ray.get(ref)
+        except ray.exceptions.RayError:  # the driver (and its log) may be gone; training goes on
+            self.actor = None
 
 
 @dataclass
@@ -302,6 +313,7 @@ class Trainer:
         """Restore, then train every remaining phase; ends with the comm statistics and a barrier."""
         self.restore()
         self.resume_step = self.counters.step  # the first step after it ends this start's start-up
+        self._probe_decode()
         self._log_units()
         self.sample_log = self._open_sample_log()
         self.clock = time.time()
@@ -322,6 +334,18 @@ class Trainer:
         if not self.stopped:
             self.eval_sweep()
         self._finish()
+
+    def _probe_decode(self) -> None:
+        """``data.decode_on=auto`` phases whose GPU decode rate the driver could not time (no GPU was up): rank 0
+        times decode_jpeg on its own device and logs it before any rank asks for a dataset, which is when this
+        start's data plan reads it (app/data/start_decode.py). Every rank has the same spec: all wait or none."""
+        if not start_decode.needs_probe(self.spec):
+            return
+        if self.rank == 0:
+            record = start_decode.probe_on_worker(self.spec, self.device)
+            getattr(self.report, "logged", self.report)(record)
+        if self.world > 1:
+            dist.barrier()
 
     def phase_run(self, phase_idx: int) -> PhaseRun:
         """The phase's PhaseRun, with its micro-steps agreed across ranks (a collective: every rank calls it at
@@ -505,7 +529,8 @@ class Trainer:
         (which cache level serves each phase, preprocessing autotune, rect val)."""
         dev.log_augment_placement(self.spec.augment_on, self.device,
                                   [ph.index for ph in self.spec.phases if ph.device_augment])
-        decoded_here = [ph.index for ph in self.spec.phases if ph.device_decode]
+        # Phases of data.decode_on=auto are placed at each start, and said there (app/data/start_decode.py).
+        decoded_here = [ph.index for ph in self.spec.phases if ph.device_decode and ph.decode_rates is None]
         if decoded_here:
             units.unit_log("decode_on", device_decode.describe(self.device, decoded_here), on="device",
                          device=self.device.type, phases=decoded_here)
