@@ -69,3 +69,18 @@ def test_wait_reporter_says_what_a_pending_group_waits_for(ray_local):
     text = out.getvalue()
     assert "waiting for the worker group: 1 workers x {CPU: 1, GPU: 1}" in text, text
     assert "in total" in text and "free" in text and "nothing will add nodes" in text
+
+
+def test_auto_gpu_resolved_to_cpus_on_a_joined_cluster_warns_that_the_workers_stay_on_cpus():
+    """A cluster that scales GPU machines from zero has none when the driver resolves ``scaling.use_gpu=auto``:
+    the workers would ask for CPUs for the whole run, so the driver says so and names the flag."""
+    from lightray.config import load_config
+    from lightray.driver.runner import auto_gpu_warning
+
+    auto, true = load_config("smoke", {"scaling.use_gpu": "auto"}), load_config("smoke", {"scaling.use_gpu": "true"})
+    said = auto_gpu_warning(auto, use_gpu=False, started_here=False)
+    assert said.startswith("lightray: warning: scaling.use_gpu=auto") and "--gpu true" in said
+    # A cluster this run started has no autoscaler; GPUs found, or asked for, leave nothing to warn about.
+    assert auto_gpu_warning(auto, use_gpu=False, started_here=True) is None
+    assert auto_gpu_warning(auto, use_gpu=True, started_here=False) is None
+    assert auto_gpu_warning(true, use_gpu=True, started_here=False) is None

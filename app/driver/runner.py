@@ -386,7 +386,12 @@ def _tell_guardian(cfg: Config, run_dir: str, local_run_dir: str, t0: float, kno
 
 def _check_placement(cfg: Config, use_gpu: bool, started_here: bool, stream) -> placement.WaitReporter:
     """Fail at once when a cluster this run started (no autoscaler) can never place the worker group; else a
-    reporter that says, while the group waits to be placed, what it waits for."""
+    reporter that says, while the group waits to be placed, what it waits for. Warns when ``auto`` left a
+    joined cluster's workers on CPUs."""
+    warning = auto_gpu_warning(cfg, use_gpu, started_here)
+    if warning:
+        log.warning(warning)
+        print(warning, file=stream, flush=True)
     lo, hi = cfg.worker_range()
     request = placement.worker_request(cfg.scaling.cpus_per_worker, cfg.scaling.worker_resources, use_gpu)
     if started_here:
@@ -453,6 +458,17 @@ def gpu_wanted(cfg: Config) -> bool:
     """``scaling.use_gpu``: "true", or "auto" when the cluster has a GPU."""
     return cfg.scaling.use_gpu == "true" or (
         cfg.scaling.use_gpu == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
+
+
+def auto_gpu_warning(cfg: Config, use_gpu: bool, started_here: bool) -> str | None:
+    """The warning for ``scaling.use_gpu=auto`` resolved to the CPU on a cluster the run joined: Ray Train's
+    workers ask for CPUs for the whole run, so GPU machines an autoscaler launches later (a cluster that starts
+    from a head alone) would train on their CPUs. The autoscaler's node types are not in Ray's public API."""
+    if cfg.scaling.use_gpu != "auto" or use_gpu or started_here:
+        return None
+    return ("lightray: warning: scaling.use_gpu=auto and the cluster has no GPU now: the workers train on CPUs for "
+            "the whole run, also on GPU machines an autoscaler adds later; on a cluster that scales GPU machines "
+            "from zero, pass --gpu true")
 
 
 def _build_trainer(cfg: Config, run_dir: str, spec: IngestSpec, sched: Schedule, num_classes: int, use_gpu: bool,
