@@ -360,6 +360,9 @@ class CommConfig:
     # sparse all-gather payload: compact = fp16 values (rounding error kept in the residual) + 16-bit block
     # offsets of the sorted indices (4 bytes an entry); fp32 = fp32 values + int32 indices (8 bytes an entry)
     payload: Annotated[Str, OneOf("compact", "fp32")] = "compact"
+    # dense, and fp16/bf16 without a dense warm-up, through DDP's own all-reduce / torch's compress hooks (no
+    # Python call per bucket) where no lightray unit needs the bucket; false: lightray's hook for every mode
+    builtin: Bool = True
 
 
 @_section

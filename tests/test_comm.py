@@ -332,9 +332,11 @@ def _model() -> torch.nn.Module:
                                torch.nn.Linear(64, 4))
 
 
-def _train(ddp, opt, x, y, steps: int) -> list[float]:
+def _train(ddp, opt, x, y, steps: int, hook: CommHook | None = None) -> list[float]:
     losses = []
     for _ in range(steps):
+        if hook is not None:
+            hook.begin_step(0.0)  # as the trainer does at every step: a built-in path counts the step here
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(ddp(x), y)
         loss.backward()
@@ -356,11 +358,24 @@ def _ddp_worker(rank: int, world: int, folder: str) -> None:
         hook = _hook(topo, mode=mode, ratio=0.05, warmup_steps=3, payload="compact")
         hook.install(ddp)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        losses = _train(ddp, opt, x, y, 40)
+        losses = _train(ddp, opt, x, y, 40, hook)
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         out[mode] = {"losses": losses, "params": flat, "bytes": hook.bytes_sent, "inter": hook.bytes_inter_node,
                      "dense_bytes": hook.dense_bytes,
                      "describe": hook.describe(), "compressed": hook.compressed_steps}
+    # dense, and fp16 without a warm-up, through DDP's own path and through lightray's hook (comm.builtin).
+    for mode in ("dense", "fp16"):
+        for builtin in (True, False):
+            model = _model()
+            ddp = DDP(model, bucket_cap_mb=0.004)
+            hook = _hook(topo, mode=mode, warmup_steps=0, builtin=builtin)
+            hook.install(ddp)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            _train(ddp, opt, x, y, 10, hook)
+            out[("builtin", mode, builtin)] = {
+                "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]), "bytes": hook.bytes_sent,
+                "inter": hook.bytes_inter_node, "dense_bytes": hook.dense_bytes, "steps": hook.dense_steps
+                + hook.compressed_steps, "path": hook.stats()["comm_path"], "describe": hook.describe()}
     # Resume as exact continuation: top-k + EF, one bucket (so the selection does not depend on
     # how DDP splits the buckets before and after its rebuild).
     def fresh():
@@ -424,6 +439,20 @@ def test_real_ddp_compressed_modes_send_fewer_bytes_across_nodes_than_dense(ddp_
     assert d["dense_bytes"] == dense["bytes"]
     if mode != "hierarchical_topk":  # hierarchical adds intra-node traffic on purpose
         assert d["bytes"] < dense["bytes"], d["describe"]
+
+
+@pytest.mark.parametrize("mode", ["dense", "fp16"])
+def test_dense_and_fp16_through_ddps_own_path_train_and_count_bytes_as_lightrays_hook_does(ddp_runs, mode):
+    """Where no lightray unit needs the bucket, DDP's own all-reduce (dense) and torch's fp16_compress_hook do the
+    same arithmetic as lightray's hook without a Python call per bucket: the same parameters after 10 steps,
+    bit for bit, and the same bytes counted (per step, from the gradient's size, instead of per bucket)."""
+    for r in range(WORLD):
+        own, hook = ddp_runs[r][("builtin", mode, True)], ddp_runs[r][("builtin", mode, False)]
+        assert own["path"] == ("DDP's own all-reduce" if mode == "dense" else "torch's fp16_compress_hook")
+        assert hook["path"] == "lightray hook" and "no lightray hook" in own["describe"]
+        assert torch.equal(own["params"], hook["params"])
+        assert (own["bytes"], own["inter"], own["dense_bytes"], own["steps"]) == (
+            hook["bytes"], hook["inter"], hook["dense_bytes"], hook["steps"]) and own["steps"] == 10
 
 
 def test_real_ddp_resume_with_residuals_continues_exactly(ddp_runs):

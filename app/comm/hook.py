@@ -6,6 +6,11 @@ bucket. Modes (``comm.mode``):
 
 - ``dense``: ring all-reduce of the fp32 bucket (what DDP does by default).
 - ``fp16`` / ``bf16``: the bucket is divided by the world size, cast, all-reduced, cast back.
+
+Where no lightray unit needs the bucket (``comm.builtin``, on by default; :meth:`CommHook.builtin_path`), ``dense``
+is DDP's own all-reduce and ``fp16``/``bf16`` without a dense warm-up are torch's ``fp16_compress_hook`` /
+``bf16_compress_hook``: the same arithmetic without a Python call per bucket. The hook object then only counts
+the steps and the bytes they send (``begin_step``) and keeps its checkpoint state.
 - ``topk``: each worker adds its residual to its local gradient, keeps the ``k = ceil(ratio * n)``
   largest-magnitude entries, and all-gathers (value, index) pairs; the average of the sparse
   contributions is the result. With error feedback the entries not sent stay in the residual and
@@ -225,6 +230,8 @@ class CommHook:
         self._init_meters()
         self._force_dense = 0
         self._step_was_dense = False
+        self._builtin: str | None = None  # set by install: the mode runs on DDP's own path (builtin_path)
+        self._builtin_bytes = (0, 0)  # (sent, dense) bytes of one step's all-reduce on that path
         # residual: undelivered (velocity or gradient) of error feedback; momentum: local velocity u of
         # momentum correction on compressed steps; dense_momentum: the global velocity kept on dense
         # steps under momentum correction (identical on every rank), handed to ``momentum`` when
@@ -385,7 +392,15 @@ class CommHook:
         return 0.0 if self.momentum_correction else float(momentum)
 
     def begin_step(self, epochs_done: float) -> None:
-        """Tell the hook how many epochs of samples have been seen (drives the sparsity warm-up)."""
+        """Tell the hook how many epochs of samples have been seen (drives the sparsity warm-up). On a built-in
+        path (no hook call per bucket) this counts the step and the bytes its all-reduce sends."""
+        if self._builtin is not None:
+            self.step += 1
+            self.dense_steps += 1
+            self.bytes_sent += self._builtin_bytes[0]
+            self.dense_bytes += self._builtin_bytes[1]
+            if self.topology.num_nodes > 1:
+                self.bytes_inter_node += self._builtin_bytes[0]
         self.epochs_done = float(epochs_done)
         c = self.cfg
         self.ratio_now = warmup_ratio(c.ratio, c.sparsity_warmup_start, c.sparsity_warmup_epochs, self.epochs_done)
@@ -439,12 +454,42 @@ class CommHook:
         self._local_index = placement_local[rank]
         self._auto_hier_ready = True
 
+    def builtin_path(self) -> str | None:
+        """The DDP path that does this mode's work without lightray's hook, or None where a lightray unit needs the
+        bucket: auto (it measures the buckets), the sparse modes and PowerSGD (residuals, selection), a dense
+        warm-up before fp16/bf16 (the bucket's precision changes mid-run), one worker (the identity: nothing to
+        send) and ``comm.builtin=false``."""
+        if not self.cfg.builtin or self.auto or self.world_size == 1:
+            return None
+        if self.mode == "dense":
+            return "DDP's own all-reduce"
+        if self.mode in ("fp16", "bf16") and self.cfg.warmup_steps == 0:
+            return f"torch's {self.mode}_compress_hook"
+        return None
+
     def install(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
-        """Register this hook on ``ddp_model`` (a collective for hierarchical_topk)."""
+        """Register this hook on ``ddp_model`` (a collective for hierarchical_topk), or DDP's own path for the
+        mode (:meth:`builtin_path`), said as the ``comm_path`` unit."""
         module = ddp_model.module
         self._names_by_ptr = {p.data_ptr(): n for n, p in module.named_parameters() if p.requires_grad}
         self.prepare()
-        ddp_model.register_comm_hook(self, _ddp_hook)
+        path = self.builtin_path()
+        if path is None:
+            ddp_model.register_comm_hook(self, _ddp_hook)
+            unit_log("comm_path", f"lightray's comm hook for every bucket (mode {self.mode})", builtin=False)
+            return
+        self._builtin = path
+        n = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        width = 4 if self.mode == "dense" else 2
+        self._builtin_bytes = (ring_allreduce_bytes(n * width, self.world_size),
+                               ring_allreduce_bytes(n * 4, self.world_size))
+        if self.mode != "dense":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            hook = default_hooks.fp16_compress_hook if self.mode == "fp16" else default_hooks.bf16_compress_hook
+            ddp_model.register_comm_hook(None, hook)  # None: the default process group
+        unit_log("comm_path", f"{self.mode} through {path}: no lightray unit needs the bucket, so no Python call "
+                              "per bucket (comm.builtin=false keeps lightray's hook)", builtin=True, path=path)
 
     # --- per step ---------------------------------------------------------------------------
     def _agree(self, device: torch.device) -> None:
@@ -998,7 +1043,8 @@ class CommHook:
 
     # --- reporting ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        return {"comm_mode": self.mode, "comm_auto": self.auto, "comm_bytes": self.bytes_sent,
+        return {"comm_mode": self.mode, "comm_auto": self.auto, "comm_path": self._builtin or "lightray hook",
+                "comm_bytes": self.bytes_sent,
                 "comm_bytes_inter_node": self.bytes_inter_node,
                 "comm_dense_bytes": self.dense_bytes, "comm_seconds": self.comm_seconds,
                 "comm_compressed_steps": self.compressed_steps, "comm_dense_steps": self.dense_steps,
@@ -1048,6 +1094,8 @@ class CommHook:
         if self.auto:
             what = (f"auto for {c.link_gbps:g} Gbps -> " + ("undecided (dense so far)" if self._auto_pending
                                                            else what))
+        if self._builtin is not None:
+            what += f" by {self._builtin} (no lightray hook; bytes counted per step, not timed)"
         line = (f"comm: {what}; {self.topology.describe()}; steps {self.step} "
                 f"({self.compressed_steps} compressed, {self.dense_steps} dense); sent {self.bytes_sent / 1e6:.2f} MB "
                 f"({frac}), inter-node {self.bytes_inter_node / 1e6:.2f} MB")
