@@ -259,8 +259,7 @@ def _measure_mode(mode: str, arch: str, topo: Any, handed: _Handed, x: torch.Ten
     ddp = DDP(m, bucket_cap_mb=BUCKET_MB)
     hook = CommHook(cfg, topo, torch.device("cpu"))
     hook.install(ddp)
-    handed.names = {id(g): name for g, name in ((hook._node_group, "node"), (hook._cross_group, "cross_node"))
-                    if g is not None}
+    handed.names = hook.groups.named() if hook.groups is not None else {}
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
 
     for _ in range(2 if mode == "powersgd" else 1):  # warm-up (PowerSGD compresses from its 3rd step)
@@ -314,8 +313,7 @@ def _bytes_pass(topo: Any, n: int, rank: int, handed: _Handed) -> dict[str, Any]
                         topo, torch.device("cpu"))
         hook.prepare()
         hook._need_agree = False  # the ranks start level: no agreement all-reduce in the count
-        handed.names = {id(g): name for g, name in ((hook._node_group, "node"), (hook._cross_group, "cross_node"))
-                        if g is not None}
+        handed.names = hook.groups.named() if hook.groups is not None else {}
         g0 = dict(handed.by_group)
         for i, p in enumerate(pieces):
             hook.aggregate(p, [(f"b{i}", p.numel())], bucket_index=i, last=i == len(pieces) - 1)
@@ -457,9 +455,9 @@ def compress_overhead(batch: int, ratio: float, reps: int = 3, device: torch.dev
 
         def flat_topk(hook=hook) -> None:
             for i, (flat, layout) in enumerate(zip(flats, buckets)):
-                acc, residual, u = hook._accumulate(flat, i, layout, flat.numel(), 0, flat.numel(), 1.0)
+                acc, residual, u = hook.sparse.accumulate(flat, i, layout, flat.numel(), 0, flat.numel(), 1.0)
                 segments = [m for _, m in layout] if hook.cfg.per_layer else None
-                packed, k = hook._sparsify(acc, residual, u, segments)
+                packed, k = hook.sparse.sparsify(acc, residual, u, segments)
                 assert k == sum(k_for(hook.ratio_now, m) for m in segments or [flat.numel()])
                 assert packed.numel() * packed.element_size() == payload_nbytes(k, flat.numel(), PAYLOAD)
 
@@ -507,9 +505,9 @@ def _hierarchical_overhead(buckets: list[list[tuple[str, int]]], flats: list[tor
             n = flat.numel()
             c = math.ceil(n / node_size)
             node_sum = flat.float().clone()
-            acc, residual, u = hook._accumulate(node_sum[:c], i, layout, n, 0, c, float(node_size))
-            packed, k = hook._sparsify(acc, residual, u)
-            hook._scatter_sum([packed] * nodes, k, c, device).div_(node_size * nodes)
+            acc, residual, u = hook.sparse.accumulate(node_sum[:c], i, layout, n, 0, c, float(node_size))
+            packed, k = hook.sparse.sparsify(acc, residual, u)
+            hook.sparse.scatter_sum([packed] * nodes, k, c, device).div_(node_size * nodes)
 
     best = _best_seconds(hierarchical, reps, device)
     return {"seconds": round(best, 4), "frac": round(best / step_s, 4), "node_size": node_size, "nodes": nodes,

@@ -16,6 +16,7 @@ import torch
 
 from lightray.comm.compress import MIN_SAMPLED, payload_nbytes
 from lightray.comm.hook import CommHook
+from lightray.comm.modes.dense import dense_velocity
 from lightray.comm.topology import Topology
 from lightray.config import CommConfig
 
@@ -42,12 +43,12 @@ def _hook(**kw) -> CommHook:
 
 
 def _compress(hook: CommHook, lo: int = 0, hi: int = N) -> tuple[torch.Tensor, torch.Tensor]:
-    """One bucket through the hook's compute as ``_topk`` / ``_hierarchical`` run it, minus the collectives."""
+    """One bucket through the hook's compute as the top-k modes run it, minus the collectives."""
     g = torch.empty(hi - lo, device=META)
     segments = [n for _, n in LAYOUT] if hook.cfg.per_layer and (lo, hi) == (0, N) else None
-    acc, residual, u = hook._accumulate(g, 0, LAYOUT, N, lo, hi, 1.0)
-    packed, k = hook._sparsify(acc, residual, u, segments)
-    gathered = hook._scatter_sum([torch.empty_like(packed), torch.empty_like(packed)], k, hi - lo, META)
+    acc, residual, u = hook.sparse.accumulate(g, 0, LAYOUT, N, lo, hi, 1.0)
+    packed, k = hook.sparse.sparsify(acc, residual, u, segments)
+    gathered = hook.sparse.scatter_sum([torch.empty_like(packed), torch.empty_like(packed)], k, hi - lo, META)
     return packed, gathered
 
 
@@ -72,7 +73,7 @@ def test_hierarchical_chunk_and_dense_velocity_run_on_data_free_tensors():
         _, gathered = _compress(hook, lo=N // 2, hi=N)  # a node's second member sparsifies the second chunk
     assert gathered.shape == (N - N // 2,)
     # a dense (warm-up) step under momentum correction: the velocity update on the averaged gradient
-    post = hook._dense_velocity(torch.empty(N, device=META), LAYOUT, 1)
+    post = dense_velocity(hook.shared, torch.empty(N, device=META), LAYOUT, 1)
     assert post(torch.empty(N, device=META)).shape == (N,)
 
 
@@ -82,10 +83,10 @@ def test_fp16_loss_scaling_path_runs_on_data_free_tensors():
     hook = _hook(momentum_correction=True, momentum_masking=True, local_clip=1.0, selection="sampled")
     hook.follow_loss_scale(scaler)
     for _ in range(2):
-        hook._begin_step()  # what a step's first bucket does: settle the last step's journal, read the scale
+        hook.shared.journal.begin_step()  # a step's first bucket: settle the last step's journal, read the scale
         _compress(hook)
-        post = hook._dense_velocity(torch.empty(N, device=META), LAYOUT, 1)
+        post = dense_velocity(hook.shared, torch.empty(N, device=META), LAYOUT, 1)
         post(torch.empty(N, device=META))
         hook._end_step()
-    assert hook._scale_t is not None and hook._scale_t.device == META
-    assert len(hook._journal) == 3  # the residual, the velocity and the dense velocity of the last step
+    assert hook.shared.journal.scale is not None and hook.shared.journal.scale.device == META
+    assert len(hook.shared.journal.entries) == 3  # the residual, the velocity and the dense velocity of the last step

@@ -208,18 +208,18 @@ def test_a_checkpoint_taken_on_a_gpu_resumes_on_a_cpu_worker_in_every_mode(mode)
     # The generator draws, and from the same seed on every resume of this rank at this step.
     again = CommHook(CommConfig(**{**BASE, **MODES[mode]}), topo, torch.device("cpu"), optimizer="sgd")
     again.load_state_dict(sd, WORLD)
-    assert torch.equal(torch.randint(1000, (8,), generator=resumed._sel_gen),
-                       torch.randint(1000, (8,), generator=again._sel_gen))
+    assert torch.equal(torch.randint(1000, (8,), generator=resumed.sparse.gen),
+                       torch.randint(1000, (8,), generator=again.sparse.gen))
 
 
 def test_a_checkpoint_from_the_same_kind_of_device_keeps_its_generator_position():
     topo = Topology.simulated(WORLD, 0, 1)
     cfg = CommConfig(**{**BASE, **MODES["topk_dgc"]})
     saved = CommHook(cfg, topo, torch.device("cpu"), optimizer="sgd")
-    torch.randint(1000, (5,), generator=saved._sel_gen)  # moved on from its seed
+    torch.randint(1000, (5,), generator=saved.sparse.gen)  # moved on from its seed
     sd = saved.state_dict()
-    want = torch.randint(1000, (8,), generator=saved._sel_gen)
+    want = torch.randint(1000, (8,), generator=saved.sparse.gen)
     resumed = CommHook(cfg, topo, torch.device("cpu"), optimizer="sgd")
     resumed.load_state_dict(sd, WORLD)
-    assert torch.equal(torch.randint(1000, (8,), generator=resumed._sel_gen), want)
+    assert torch.equal(torch.randint(1000, (8,), generator=resumed.sparse.gen), want)
     assert "reseeded" not in resumed.describe()

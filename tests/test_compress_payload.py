@@ -73,7 +73,7 @@ def test_residual_keeps_the_fp16_rounding_error_so_sent_plus_residual_is_the_acc
                     Topology.simulated(2, 0, 1), torch.device("cpu"))
     acc0 = _values(N, 1)
     residual = acc0.clone()  # as in the hook: the residual is the accumulator, updated in place
-    packed, k = hook._sparsify(residual, residual)
+    packed, k = hook.sparse.sparsify(residual, residual)
     assert packed.numel() == payload_nbytes(k, N, "compact")
     sent = scatter_sum([packed], k, N, "compact", torch.device("cpu"))
     assert torch.equal(sent + residual, acc0)  # bit for bit in fp32: nothing was lost
@@ -88,7 +88,7 @@ def test_residual_keeps_the_fp16_rounding_error_so_sent_plus_residual_is_the_acc
     h32 = CommHook(CommConfig(mode="topk", ratio=0.01, warmup_steps=0, payload="fp32", selection=selection),
                    Topology.simulated(2, 0, 1), torch.device("cpu"))
     r32 = acc0.clone()
-    p32, k32 = h32._sparsify(r32, r32)
+    p32, k32 = h32.sparse.sparsify(r32, r32)
     s32 = scatter_sum([p32], k32, N, "fp32", torch.device("cpu"))
     assert torch.equal(s32 + r32, acc0) and bool((r32[s32 != 0] == 0).all())
 
@@ -105,8 +105,7 @@ def _worker(rank: int, world: int, folder: str) -> None:
             hook = CommHook(CommConfig(mode=mode, ratio=0.01, warmup_steps=0, payload=payload), topo,
                             torch.device("cpu"))
             hook.prepare()
-            handed.names = {id(g): name for g, name in ((hook._node_group, "node"),
-                                                        (hook._cross_group, "cross_node")) if g is not None}
+            handed.names = hook.groups.named() if hook.groups is not None else {}
             before, by0 = handed.bytes, dict(handed.by_group)
             res = []
             for step in range(2):

@@ -150,7 +150,8 @@ def payload_nbytes(k: int, n: int, payload: str) -> int:
 def quantize(vals: torch.Tensor, payload: str) -> torch.Tensor:
     """The fp32 values the receivers will see for ``vals``: the same for ``fp32``, fp16-rounded for ``compact``
     (clamped to fp16's range first, so a huge value is sent as the largest fp16 and the rest stays behind; the
-    hook sends a bucket that holds inf or nan as nan instead, see ``CommHook._sparsify``).
+    hook sends a bucket that holds inf or nan as nan instead, see
+    ``lightray.comm.modes.sparse.Sparsifier.sparsify``).
     ``vals - quantize(vals)`` is exact in fp32 (Sterbenz: the rounded value is within a factor 2 of the
     original, or zero), so residual + sent adds back to the accumulated value bit for bit."""
     if payload == "fp32":

@@ -21,3 +21,18 @@ def done(t: torch.Tensor) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(t)
     return fut
+
+
+class WireMeter:
+    """The bytes one worker's hook put on the wire (``sent``), the part of them that crossed nodes (``inter_node``)
+    and what dense fp32 would have sent for the same buckets (``dense``)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.inter_node = 0
+        self.dense = 0
+
+    def add(self, nbytes: int, crosses_nodes: bool) -> None:
+        self.sent += nbytes
+        if crosses_nodes:
+            self.inter_node += nbytes

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightray.comm.global_bn import to_global_bn
 from lightray.config import TIMM_PREFIX, ModelConfig, check_arch
 from lightray.train.device import unwrap_model  # noqa: F401  (re-exported)
 from lightray.units import unit_log
@@ -191,6 +190,10 @@ def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
         raise ValueError(f"num_classes: bad value {num_classes}; expected at least 1")
     model = _create(cfg.arch, num_classes, cfg.zero_init_residual, tuple(cfg.widths))
     if cfg.global_bn:  # before the zero-init below, which must reach the swapped layers
+        # Imported here: its custom op's registration makes torch scan every loaded module (inspect.getmodule),
+        # about 50-90 ms of every driver and Train worker start, for a switch that is off by default.
+        from lightray.comm.global_bn import to_global_bn
+
         model, n_bn, kind = to_global_bn(model)
         unit_log("global_bn", f"{n_bn} BN layers normalise over the global batch as {kind} (one all-reduce each "
                  "per forward and backward when there is more than one worker)", layers=n_bn, kind=kind)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightray.comm.modes.base import Bucket, CommMode, Reduced, Shared
 from lightray.comm.wire import done, ring_allreduce_bytes
 from lightray.config import CommConfig
 from lightray.plain_rng import numpy_rng_from_plain, numpy_rng_to_plain
@@ -68,44 +69,52 @@ def drop_stale_memory(psgd_state: Any, bucket: Any) -> None:
             d.pop(i, None)
 
 
-def reduce_bucket(hook: Any, bucket: Any) -> torch.futures.Future:
-    """PowerSGD on one DDP bucket (or a saved bucket replayed after a resume) for ``hook``, the CommHook: torch's
-    own hook does the work; this counts the bytes it sends and keeps its step count in line with the hook's."""
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+class PowerSGD(CommMode):
+    """torch's PowerSGD hook on each bucket (or on each saved bucket a resumed step replays); this counts the bytes
+    it sends. Its own warm-up (``start_powerSGD_iter``) runs inside torch's hook."""
 
-    psgd_state, world = hook._psgd, hook.world_size
-    buf = bucket.buffer()
-    if hook._force_dense > 0:
-        hook._step_was_dense = True
-        if bucket.is_last():
-            psgd_state.iter += 1  # keep PowerSGD's own step count in line with ours
-        return hook._reduce(buf, [], bucket.index(), sync=False)
-    drop_stale_memory(psgd_state, bucket)
-    hook.dense_bytes += ring_allreduce_bytes(buf.numel() * 4, world)
-    esize = buf.element_size()
-    if psgd_state.iter < psgd_state.start_powerSGD_iter:
-        sent = ring_allreduce_bytes(buf.numel() * esize, world)
-    else:
-        # Mirrors the hook's split: matrices worth compressing send P (rows x r) and Q (cols x r);
-        # everything else is all-reduced as is.
+    name = "powersgd"
+
+    def __init__(self, shared: Shared):
+        super().__init__(shared)
+        self.state = new_state(shared.cfg)
+
+    def compressed_now(self) -> bool:
+        return self.state.iter >= self.state.start_powerSGD_iter  # read before torch's hook advances it
+
+    def passed_over(self) -> None:
+        self.state.iter += 1  # keep PowerSGD's own step count in line with the hook's
+
+    def reduce(self, bucket: Bucket, sync: bool) -> Reduced:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        drop_stale_memory(self.state, bucket)
+        self.shared.sent(self._bytes(bucket))
+        fut = psgd.powerSGD_hook(self.state, bucket)
+        if sync:
+            return fut.wait()
+        if dist.get_backend() == "gloo":
+            # The hook issues its second and third all-reduce from future callbacks; with several buckets in
+            # flight gloo ranks can then issue them in different orders (seen: "collective mismatch" aborts
+            # with 4 CPU workers). Finishing each bucket before DDP hands over the next keeps the order.
+            return done(fut.wait())
+        return fut
+
+    def _bytes(self, bucket: Bucket) -> int:
+        st, world, buf = self.state, self.shared.world_size, bucket.buffer()
+        esize = buf.element_size()
+        if st.iter < st.start_powerSGD_iter:
+            return ring_allreduce_bytes(buf.numel() * esize, world)
+        # Mirrors the hook's split: matrices worth compressing send P (rows x r) and Q (cols x r); everything
+        # else is all-reduced as is.
         dense_elems = p_elems = q_elems = 0
         for g in bucket.gradients():
             if g.dim() > 1:
                 rows, cols = g.shape[0], g.numel() // g.shape[0]
-                r = min(rows, cols, psgd_state.matrix_approximation_rank)
-                if (rows + cols) * r * psgd_state.min_compression_rate < rows * cols:
+                r = min(rows, cols, st.matrix_approximation_rank)
+                if (rows + cols) * r * st.min_compression_rate < rows * cols:
                     p_elems += rows * r
                     q_elems += cols * r
                     continue
             dense_elems += g.numel()
-        sent = sum(ring_allreduce_bytes(e * esize, world) for e in (dense_elems, p_elems, q_elems))
-    hook.bytes_sent += sent
-    if hook.topology.num_nodes > 1:
-        hook.bytes_inter_node += sent
-    fut = psgd.powerSGD_hook(psgd_state, bucket)
-    if dist.get_backend() == "gloo":
-        # The hook issues its second and third all-reduce from future callbacks; with several buckets in
-        # flight gloo ranks can then issue them in different orders (seen: "collective mismatch" aborts
-        # with 4 CPU workers). Finishing each bucket before DDP hands over the next keeps the order.
-        return done(fut.wait())
-    return fut
+        return sum(ring_allreduce_bytes(e * esize, world) for e in (dense_elems, p_elems, q_elems))
