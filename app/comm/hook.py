@@ -700,17 +700,6 @@ def _check_state(sd: Any) -> None:
         raise ValueError(f"CommHook.load_state_dict: state lacks key {missing[0]!r}")
 
 
-def _check_state(sd: Any) -> None:
-    """Raise a ValueError naming what is wrong with a hook state that ``CommHook.state_dict`` did not write."""
-    if not isinstance(sd, dict) or sd.get("version") != STATE_VERSION:
-        got = sd.get("version") if isinstance(sd, dict) else type(sd).__name__
-        raise ValueError(f"CommHook.load_state_dict: bad state (version {got!r}); "
-                         f"expected a dict from CommHook.state_dict() with version {STATE_VERSION}")
-    missing = [k for k in ("mode", "rank", "world_size", "step", "residuals") if k not in sd]
-    if missing:
-        raise ValueError(f"CommHook.load_state_dict: state lacks key {missing[0]!r}")
-
-
 def _replayed(hook: CommHook, bucket: Bucket, parts: list[tuple[int, Layout]]) -> torch.futures.Future:
     """The first step after a resume: ``bucket`` reduced as the saved buckets it is made of (lightray.comm.replay),
     synchronously, for one step."""

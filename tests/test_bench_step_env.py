@@ -1,0 +1,32 @@
+"""bench.step_env's timing function, where it runs: the recipe's own model, optimizer and loss, the threads asked for,
+and the thread it ran on (the bench compares places by these)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from bench.step_env import _in_thread, time_steps
+
+
+@pytest.fixture
+def threads_restored():
+    """time_steps pins torch's threads and the OpenMP env for the process: put both back for the next test."""
+    threads, env = torch.get_num_threads(), {v: os.environ.get(v) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    yield
+    torch.set_num_threads(threads)
+    for var, value in env.items():
+        if value is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = value
+
+
+def test_the_step_is_timed_with_the_threads_asked_for_on_the_thread_it_ran_on(threads_restored):
+    here = time_steps("demo", 32, 8, 2, 1)
+    there = _in_thread("demo", 32, 8, 2, 1)
+    assert here["threads"] == there["threads"] == 1
+    assert (here["thread"], there["thread"]) == ("MainThread", "step-thread")
+    assert 0 < here["step_s"] < 10 and 0 < there["step_s"] < 10
