@@ -119,6 +119,16 @@ def test_no_function_is_longer_than_a_screen():
     assert long == []
 
 
+def test_every_package_folder_is_installed():
+    """A folder of app/ with an ``__init__.py`` that pyproject.toml's package list misses works from a checkout (the
+    editable install) and is missing from the wheel, the GPU bundle and a cluster image."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {_module_name(p) for p in APP.rglob("__init__.py")}
+    assert found - listed == set()
+
+
 def test_bench_has_one_spread_statistic():
     """One definition of the spread that every bench reports (bench.common.spread)."""
     defs = [f"{p.relative_to(ROOT)}" for p in sorted((ROOT / "bench").rglob("*.py"))
