@@ -432,9 +432,10 @@ class CommHook:
 
     def _mode_now(self) -> CommMode:
         """The mode that reduces this step's buckets: the identity for one worker, dense in a warm-up or after a
-        worker-set change, else the run's (PowerSGD runs its own warm-up)."""
-        if self.mode == "powersgd":
-            return self._modes["dense" if self._force_dense > 0 else "powersgd"]
+        worker-set change, else the run's (a mode with its own warm-up, PowerSGD, only yields to the latter)."""
+        run = self._modes.get(self.mode)
+        if run is not None and run.own_warmup:
+            return self._modes["dense"] if self._force_dense > 0 else run
         if self._effective == "identity":
             return self._modes["identity"]
         if self._dense_now() or self._effective == "dense":
@@ -453,8 +454,9 @@ class CommHook:
         self._new_step = True
         if self._step_was_dense:
             self.dense_steps += 1
-            if self._force_dense > 0 and self.mode == "powersgd":
-                self._modes["powersgd"].passed_over()
+            run = self._modes.get(self.mode)
+            if self._force_dense > 0 and run is not None:
+                run.passed_over()
             if self._force_dense > 0 and self.step >= self.cfg.warmup_steps:
                 self._force_dense -= 1
         else:

@@ -84,6 +84,7 @@ class CommMode:
 
     name = ""
     compresses = False  # whether a step in this mode counts as a compressed step
+    own_warmup = False  # runs its own dense warm-up (the hook's comm.warmup_steps do not apply)
 
     def __init__(self, shared: Shared):
         self.shared = shared

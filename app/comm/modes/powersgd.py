@@ -74,6 +74,7 @@ class PowerSGD(CommMode):
     it sends. Its own warm-up (``start_powerSGD_iter``) runs inside torch's hook."""
 
     name = "powersgd"
+    own_warmup = True  # torch's start_powerSGD_iter
 
     def __init__(self, shared: Shared):
         super().__init__(shared)
