@@ -101,9 +101,11 @@ def per_step_ms(starts: list[float], warmup: int, trim: float = 0.05) -> float:
 def run_plain(cfg, batches: list[dict[str, np.ndarray]], steps: int, report_every: int) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from lightray.train.device import IMAGENET_MEAN, IMAGENET_STD
+    from lightray.train.device import IMAGENET_MEAN, IMAGENET_STD, autocast, precision_for
     from lightray.train.model import build_model
 
+    cpu = torch.device("cpu")
+    precision = precision_for(cfg.model, cpu)  # lightray's own choice for this CPU: like with like
     torch.manual_seed(cfg.scaling.seed)
     model = build_model(cfg.model, cfg.data.demo_classes).to(memory_format=torch.channels_last)
     ddp = DDP(model)
@@ -120,7 +122,8 @@ def run_plain(cfg, batches: list[dict[str, np.ndarray]], steps: int, report_ever
         b = batches[step % len(batches)]
         x = torch.from_numpy(b["image"]).permute(0, 3, 1, 2).float().sub_(mean).div_(std)
         x = x.contiguous(memory_format=torch.channels_last)
-        loss = loss_fn(ddp(x), torch.from_numpy(b["label"]))
+        with autocast(precision, cpu):
+            loss = loss_fn(ddp(x), torch.from_numpy(b["label"]))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -112,6 +112,7 @@ def _plain_worker(rank: int, world: int, folder: str, images: np.ndarray, labels
 
     from lightray.config import config_from_dict
     from lightray.data.plan import rank_slice
+    from lightray.train.device import autocast, precision_for
     from lightray.train.model import build_model
 
     pin_threads(threads)
@@ -131,6 +132,8 @@ def _plain_worker(rank: int, world: int, folder: str, images: np.ndarray, labels
     mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1) * 255
     std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255
     lo, hi = rank_slice(batch, world, rank)
+    cpu = torch.device("cpu")
+    precision = precision_for(cfg.model, cpu)  # lightray's own choice for this CPU: like with like
     marks: dict[int, float] = {}
     losses = []
     for step in range(steps):
@@ -139,7 +142,8 @@ def _plain_worker(rank: int, world: int, folder: str, images: np.ndarray, labels
         x = x_all[rows].permute(0, 3, 1, 2).float().sub_(mean).div_(std)
         if cfg.model.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        loss = loss_fn(ddp(x), y_all[rows])
+        with autocast(precision, cpu):
+            loss = loss_fn(ddp(x), y_all[rows])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

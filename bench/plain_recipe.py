@@ -160,7 +160,10 @@ def _normalise(batch: np.ndarray, channels_last: bool) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _top1(model: torch.nn.Module, xs: np.ndarray, ys: np.ndarray, cfg, size: int, cropped: bool) -> float:
+def _top1(model: torch.nn.Module, xs: np.ndarray, ys: np.ndarray, cfg, size: int, cropped: bool,
+          precision: str = "fp32") -> float:
+    from lightray.train.device import autocast
+
     model.eval()
     hits = 0
     for lo in range(0, len(xs), 500):
@@ -169,12 +172,41 @@ def _top1(model: torch.nn.Module, xs: np.ndarray, ys: np.ndarray, cfg, size: int
             x = center_crop(x, size, cfg.data.val_crop_ratio)
         if cfg.model.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        logits = model(x).float()
-        if cfg.schedule.tta_flip:
-            logits = (logits + model(torch.flip(x, dims=[3])).float()) / 2
+        with autocast(precision, torch.device("cpu")):
+            logits = model(x).float()
+            if cfg.schedule.tta_flip:
+                logits = (logits + model(torch.flip(x, dims=[3])).float()) / 2
         hits += int((logits.argmax(1) == torch.from_numpy(ys[lo:lo + 500])).sum())
     model.train()
     return hits / max(1, len(xs))
+
+
+def _train_epoch(model, opt, loss_fn, ema, sched, ph, arrays: dict[str, Any], perm: np.ndarray,
+                 gen: torch.Generator, samples: int, *, channels_last: bool, precision: str) -> int:
+    """One epoch of phase ``ph`` in the order ``perm``; returns the samples seen after it."""
+    from lightray.train.device import autocast
+    from lightray.train.optim import set_lr_momentum
+
+    xtr, ytr = arrays["train"]
+    for s in range(len(xtr) // ph.batch_size):
+        idx = perm[s * ph.batch_size:(s + 1) * ph.batch_size]
+        src, hw = xtr, None
+        if "train_by_res" in arrays:  # the copy resized for this phase, as lightray reads this phase's tier
+            src, _labels, hw = arrays["train_by_res"][ph.resolution]
+            hw = hw[idx]
+        x = random_resized_crop(_normalise(src[idx], False), ph.resolution, ph.min_scale, gen, hw)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        set_lr_momentum(opt, sched.lr_at(samples), sched.momentum_at(samples))
+        with autocast(precision, torch.device("cpu")):
+            loss = loss_fn(model(x), torch.from_numpy(ytr[idx]))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if ema is not None:
+            ema.update(model)
+        samples += ph.batch_size
+    return samples
 
 
 def run(cfg, arrays: dict[str, Any], *, targets: list[float], threads: int, seed: int,
@@ -184,9 +216,10 @@ def run(cfg, arrays: dict[str, Any], *, targets: list[float], threads: int, seed
     start-up seconds (model and optimiser build, the decode counted by the caller)."""
     from bench.common import note
     from lightray.schedule import Schedule
+    from lightray.train.device import precision_for
     from lightray.train.ema import ModelEMA
     from lightray.train.model import build_model
-    from lightray.train.optim import build_loss, build_optimizer, set_lr_momentum
+    from lightray.train.optim import build_loss, build_optimizer
 
     t_start = time.perf_counter()
     torch.set_num_threads(threads)
@@ -202,6 +235,9 @@ def run(cfg, arrays: dict[str, Any], *, targets: list[float], threads: int, seed
     opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
     loss_fn = build_loss(cfg.optim)
     ema = ModelEMA(model, cfg.optim.ema_decay) if cfg.optim.ema_decay > 0 else None
+    # The same recipe runs at the precision lightray resolves for it on this CPU (bf16 autocast where the CPU
+    # has bf16 in hardware), so the two sides differ in their plumbing only.
+    precision = precision_for(cfg.model, torch.device("cpu"))
     final = sched.resolved.phases[-1]
     eval_res = cfg.schedule.eval_resolution or final.resolution
     history: list[dict[str, Any]] = []
@@ -209,26 +245,10 @@ def run(cfg, arrays: dict[str, Any], *, targets: list[float], threads: int, seed
     t_train = time.perf_counter()
     for epoch in range(sched.epochs):
         ph = final if fixed_final else next(p for p in sched.resolved.phases if p.first_epoch <= epoch < p.end_epoch)
-        perm = rng.permutation(len(xtr))
-        for s in range(len(xtr) // ph.batch_size):
-            idx = perm[s * ph.batch_size:(s + 1) * ph.batch_size]
-            src, hw = xtr, None
-            if "train_by_res" in arrays:  # the copy resized for this phase, as lightray reads this phase's tier
-                src, _labels, hw = arrays["train_by_res"][ph.resolution]
-                hw = hw[idx]
-            x = random_resized_crop(_normalise(src[idx], False), ph.resolution, ph.min_scale, gen, hw)
-            if cfg.model.channels_last:
-                x = x.contiguous(memory_format=torch.channels_last)
-            set_lr_momentum(opt, sched.lr_at(samples), sched.momentum_at(samples))
-            loss = loss_fn(model(x), torch.from_numpy(ytr[idx]))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            if ema is not None:
-                ema.update(model)
-            samples += ph.batch_size
+        samples = _train_epoch(model, opt, loss_fn, ema, sched, ph, arrays, rng.permutation(len(xtr)), gen,
+                               samples, channels_last=cfg.model.channels_last, precision=precision)
         top1 = _top1(ema.module if ema is not None else model, xva, yva, cfg, eval_res,
-                     arrays.get("val_cropped", False))
+                     arrays.get("val_cropped", False), precision)
         now = time.perf_counter()
         history.append({"epoch": epoch + 1, "val_top1": top1, "train_s": now - t_train, "wall_s": now - t_start})
         note(f"{label} epoch {epoch + 1}/{sched.epochs} ({ph.resolution}px): top-1 {top1:.3f} "

@@ -140,10 +140,13 @@ def _side_result(history: list[dict[str, Any]], targets: list[float], startup_s:
 
 # --- the plain PyTorch loop both baselines share -------------------------------------------------------
 def _plain_loop(model: torch.nn.Module, train_loader, val_loader, opt: torch.optim.Optimizer, criterion,
-                set_lr, *, epochs: int, targets: list[float], channels_last: bool, t_start: float, label: str
-                ) -> tuple[list[dict[str, Any]], float]:
+                set_lr, *, epochs: int, targets: list[float], channels_last: bool, t_start: float, label: str,
+                precision: str = "fp32") -> tuple[list[dict[str, Any]], float]:
     """Train and validate every epoch until the highest target or ``epochs``; ``set_lr(epoch, step,
     steps_per_epoch)`` runs before each step. Returns the per-epoch records and the start-up seconds."""
+    from lightray.train.device import autocast
+
+    cpu = torch.device("cpu")
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     steps_per_epoch = len(train_loader)
     history: list[dict[str, Any]] = []
@@ -154,7 +157,8 @@ def _plain_loop(model: torch.nn.Module, train_loader, val_loader, opt: torch.opt
         loss_sum, n = 0.0, 0
         for step, (x, y) in enumerate(train_loader):
             set_lr(epoch, step, steps_per_epoch)
-            loss = criterion(model(x.contiguous(memory_format=fmt)), y)
+            with autocast(precision, cpu):
+                loss = criterion(model(x.contiguous(memory_format=fmt)), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -164,7 +168,8 @@ def _plain_loop(model: torch.nn.Module, train_loader, val_loader, opt: torch.opt
         correct = total = 0
         with torch.no_grad():
             for x, y in val_loader:
-                correct += int((model(x.contiguous(memory_format=fmt)).argmax(1) == y).sum())
+                with autocast(precision, cpu):
+                    correct += int((model(x.contiguous(memory_format=fmt)).argmax(1) == y).sum())
                 total += len(y)
         now = time.perf_counter()
         rec = {"epoch": epoch + 1, "train_loss": loss_sum / max(1, n), "val_top1": correct / max(1, total),
@@ -202,6 +207,7 @@ def run_tuned_plain(tree: str, cfg, *, targets: list[float], threads: int, loade
     from torch import nn
 
     from lightray.schedule import Schedule
+    from lightray.train.device import precision_for
     from lightray.train.model import build_model
 
     if cfg.optim.name != "sgd":
@@ -247,7 +253,8 @@ def run_tuned_plain(tree: str, cfg, *, targets: list[float], threads: int, loade
     history, startup = _plain_loop(model, train_loader, val_loader, opt,
                                    nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing), set_lr,
                                    epochs=int(cfg.schedule.epochs), targets=targets,
-                                   channels_last=cfg.model.channels_last, t_start=t_start, label="tuned plain")
+                                   channels_last=cfg.model.channels_last, t_start=t_start, label="tuned plain",
+                                   precision=precision_for(cfg.model, torch.device("cpu")))
     return _side_result(history, targets, startup, time.perf_counter() - t_start, train_images=len(train_set),
                         val_images=len(val_set), resolution=res, eval_resolution=eval_res, batch=batch,
                         lr_peak=peak, threads=torch.get_num_threads(), loader_workers=loader_workers)

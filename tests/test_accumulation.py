@@ -36,7 +36,8 @@ TOL = 1e-4
 PHASES = f"[{{until: 1.0, resolution: {RES}, batch_size: {GLOBAL_BATCH}}}]"
 OVERRIDES = {"schedule.epochs": 1, "schedule.phases": PHASES,
              "schedule.eval_resolution": RES, "report.every_steps": 2, "report.eval_sweep": "[]",
-             "checkpoint.every_steps": 0, "optim.ema_decay": 0.0, "comm.bucket_mb": 25}
+             "checkpoint.every_steps": 0, "optim.ema_decay": 0.0, "comm.bucket_mb": 25,
+             "model.precision": "fp32"}  # exact sums: bf16 autocast (auto on a CPU with bf16) rounds each pass
 
 
 def global_batch(epoch: int, step: int) -> tuple[np.ndarray, np.ndarray]:

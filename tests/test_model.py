@@ -98,7 +98,8 @@ def test_cpu_device_units_fall_back_to_plain_and_say_so():
     device = dev.select_device()
     assert device == CPU and dev.backend_for(device) == "gloo"
     assert dev.backend_for(torch.device("cuda", 0)) == "nccl"
-    assert dev.precision_for(ModelConfig(precision="auto"), device) == "fp32"
+    assert dev.precision_for(ModelConfig(precision="auto"), device) == ("bf16" if dev.cpu_bf16_flags() else "fp32")
+    assert dev.precision_for(ModelConfig(precision="fp32"), device) == "fp32"
     assert dev.precision_for(ModelConfig(precision="bf16"), device) == "bf16"
     assert not dev.make_grad_scaler("fp32", device).is_enabled()
     assert dev.enable_cudnn_benchmark(ModelConfig(), device) is False
@@ -115,6 +116,25 @@ def test_cpu_device_units_fall_back_to_plain_and_say_so():
     assert "not applicable on cpu" in said["compile"][0]
     assert "off (model.compile=false)" in said["compile"][1]
     assert "torch.compile on cpu" in said["compile"][2] and "batch dimension dynamic" in said["compile"][2]
+
+
+def test_auto_precision_on_cpu_is_bf16_exactly_where_the_cpu_has_bf16_in_hardware(tmp_path):
+    # This machine's own /proc/cpuinfo decides what auto picks here, and the unit line says why.
+    flags = open("/proc/cpuinfo").read().split()
+    native = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    assert dev.cpu_bf16_flags() == native
+    pop_unit_events()
+    assert dev.precision_for(ModelConfig(precision="auto"), CPU) == ("bf16" if native else "fp32")
+    said = [e["message"] for e in pop_unit_events() if e["unit"] == "precision"]
+    assert said and ("the CPU has " + ", ".join(native) if native else "the CPU has none of") in said[0]
+    # The flag reader on other CPUs' flag lines: an AVX2-only CPU, a Sapphire Rapids, and no cpuinfo at all.
+    avx2 = tmp_path / "avx2"
+    avx2.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n")
+    spr = tmp_path / "spr"
+    spr.write_text("processor\t: 0\nflags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    assert dev.cpu_bf16_flags(str(avx2)) == []
+    assert dev.cpu_bf16_flags(str(spr)) == ["avx512_bf16", "amx_bf16"]
+    assert dev.cpu_bf16_flags(str(tmp_path / "absent")) == []
 
 
 def test_fp16_on_cpu_is_a_config_error():
