@@ -240,7 +240,8 @@ class ModelConfig:
     # with compile: compile on a CPU device too (inductor's C++ backend; needs a C compiler): for tests of the
     # compiled path on machines without a GPU, not a speed-up
     compile_on_cpu: Bool = False
-    # auto = bf16 on GPU, fp32 on CPU
+    # auto = bf16 on a GPU with bf16 (else fp16); on a CPU bf16 where it has bf16 in hardware (avx512_bf16,
+    # amx_bf16), else fp32
     precision: Annotated[Str, OneOf("auto", "fp32", "bf16", "fp16")] = "auto"
     # torch.compile mode
     compile_mode: Annotated[Str, OneOf("default", "reduce-overhead", "max-autotune",

@@ -417,10 +417,13 @@ def compress_overhead(batch: int, ratio: float, reps: int = 3, device: torch.dev
     from lightray.comm.topology import Topology
 
     device = device or torch.device("cpu")
-    # The step the compression is set against is the one lightray trains with: channels_last, under bf16
-    # autocast on a GPU (fp32 on a CPU, as lightray's auto precision picks there). An fp32 NCHW step on the GPU
-    # takes 2-3x as long and understated the compression's share.
-    bf16 = device.type == "cuda"
+    # The step the compression is set against is the one lightray trains with: channels_last, at the precision
+    # lightray's auto picks on this device (bf16 autocast on a GPU and on a CPU with bf16 in hardware, else
+    # fp32). An fp32 NCHW step on the GPU takes 2-3x as long and understated the compression's share.
+    from lightray.config import ModelConfig
+    from lightray.train.device import precision_for
+
+    bf16 = precision_for(ModelConfig(), device) == "bf16"
     model = _model("resnet50").to(device).to(memory_format=torch.channels_last)
     buckets = _buckets(model, BUCKET_MB)
     x = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(0)).to(device)

@@ -24,34 +24,40 @@ from bench.common import Machine, emit, machine_cores, note, pin_threads, resolv
 PLACES = ("plain", "ray_actor", "ray_actor_thread", "ray_train_worker")
 
 
-def time_steps(recipe: str, resolution: int, batch: int, steps: int, threads: int) -> dict[str, Any]:
+def time_steps(recipe: str, resolution: int, batch: int, steps: int, threads: int,
+               precision: str = "auto") -> dict[str, Any]:
     """Median seconds per step over ``steps`` timed steps (after one warm-up step) of ``recipe``'s model on one
-    random channels_last batch, with ``threads`` torch threads, where this is called."""
+    random channels_last batch, with ``threads`` torch threads, where this is called, at ``precision`` (``auto``:
+    what lightray resolves for the recipe on this CPU)."""
     import torch
 
     from lightray.config import load_config
+    from lightray.train.device import autocast, precision_for
     from lightray.train.model import build_model
     from lightray.train.optim import build_loss, build_optimizer
 
     pin_threads(threads)
-    cfg = load_config(recipe)
+    cfg = load_config(recipe, {"model.precision": precision})
+    cpu = torch.device("cpu")
+    got = precision_for(cfg.model, cpu)
     torch.manual_seed(0)
     model = build_model(cfg.model, 10)
     fmt = torch.channels_last if cfg.model.channels_last else torch.contiguous_format
     model = model.to(memory_format=fmt)
-    opt, loss_fn = build_optimizer(model, cfg.optim, torch.device("cpu")), build_loss(cfg.optim)
+    opt, loss_fn = build_optimizer(model, cfg.optim, cpu), build_loss(cfg.optim)
     x = torch.randn(batch, 3, resolution, resolution).contiguous(memory_format=fmt)
     y = torch.randint(0, 10, (batch,))
     times = []
     for _ in range(steps + 1):
         t0 = time.perf_counter()
-        loss = loss_fn(model(x), y)
+        with autocast(got, cpu):
+            loss = loss_fn(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         times.append(time.perf_counter() - t0)
     return {"step_s": statistics.median(times[1:]), "threads": torch.get_num_threads(),
-            "thread": threading.current_thread().name}
+            "thread": threading.current_thread().name, "precision": got}
 
 
 def _in_thread(*args: Any) -> dict[str, Any]:

@@ -30,3 +30,15 @@ def test_the_step_is_timed_with_the_threads_asked_for_on_the_thread_it_ran_on(th
     assert here["threads"] == there["threads"] == 1
     assert (here["thread"], there["thread"]) == ("MainThread", "step-thread")
     assert 0 < here["step_s"] < 10 and 0 < there["step_s"] < 10
+
+
+def test_the_precision_bench_times_each_recipe_step_in_fp32_and_in_bf16(threads_restored):
+    from bench.precision import measure
+    from lightray.config import ModelConfig
+    from lightray.train.device import precision_for
+
+    runs = measure((("demo", 32, 8),), repeats=1, steps=1, threads=1)
+    assert set(runs["demo"]) == {"fp32", "bf16"} and all(len(v) == 1 and v[0] > 0 for v in runs["demo"].values())
+    # The steps ran at what was asked for, and auto follows lightray's own rule for this CPU.
+    assert time_steps("demo", 32, 8, 1, 1, "bf16")["precision"] == "bf16"
+    assert time_steps("demo", 32, 8, 1, 1)["precision"] == precision_for(ModelConfig(), torch.device("cpu"))
