@@ -418,8 +418,7 @@ def compress_overhead(batch: int, ratio: float, reps: int = 3, device: torch.dev
 
     device = device or torch.device("cpu")
     # The step the compression is set against is the one lightray trains with: channels_last, at the precision
-    # lightray's auto picks on this device (bf16 autocast on a GPU and on a CPU with bf16 in hardware, else
-    # fp32). An fp32 NCHW step on the GPU takes 2-3x as long and understated the compression's share.
+    # lightray's auto picks on this device (an fp32 NCHW step on the GPU understated the share 2-3x).
     from lightray.config import ModelConfig
     from lightray.train.device import precision_for
 
