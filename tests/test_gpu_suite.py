@@ -13,6 +13,7 @@ import pytest
 
 from bench.gpu_e2e import GOAL
 from bench.gpu_suite_summary import key_figures, last_json, status
+from lightray.train.device import cpu_bf16_flags
 from tests.test_pipeline_bench import check_pipeline
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -59,11 +60,12 @@ def test_gpu_suite_dry_run_from_the_bundle_alone_names_every_step_and_prints_the
         assert (tmp_path / "logs" / f"{step}.log").is_file()
     res = json.loads(lines[-1])
     assert res["bench"] == "gpu_suite" and set(res["figures"]) == set(STEPS)
-    # The comm step sets each mode's compression cost against the training step (fp32 channels_last on a CPU,
-    # bf16 channels_last on a GPU), each mode measured on its own: no mode's time copied from another's.
+    # The comm step sets each mode's compression cost against the training step at lightray's own precision (bf16
+    # on a GPU and on a CPU with bf16 in hardware, fp32 on other CPUs), each mode measured on its own: no mode's
+    # time copied from another's.
     comm = last_json((tmp_path / "logs" / "comm.log").read_text())["figures"]
     over, per_mode = comm["compress_overhead"], comm["per_mode_s"]
-    assert over["step_as"] == "fp32, channels_last"
+    assert over["step_as"] == ("bf16 autocast" if cpu_bf16_flags() else "fp32") + ", channels_last"
     assert (per_mode["fp16"], per_mode["bf16"]) == (over["cast_fp16_s"], over["cast_bf16_s"])
     assert per_mode["topk"] == over["seconds"]["sampled"]
     hier = over["hierarchical_topk"]
