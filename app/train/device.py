@@ -76,8 +76,8 @@ def precision_for(cfg: ModelConfig, device: torch.device) -> str:
 
     ``auto`` picks bf16 on a GPU that supports it (no loss scaling needed), fp16 on an older GPU (V100,
     T4: the DAWNBench-era setting, with a grad scaler). On a CPU it picks bf16 where the CPU has bf16 in
-    hardware (:func:`cpu_bf16_flags`: a ResNet-18 step at 128 px ran 2.3x as fast as fp32 on a 2-core
-    Zen 4, docs/BENCHMARKS.md) and fp32 elsewhere, where CPU autocast emulates bf16 and is slower.
+    hardware (:func:`cpu_bf16_flags`: the imagenette recipe's step ran 1.95x as fast as fp32 on a 2-core
+    Zen 4, ``python -m bench.precision``) and fp32 elsewhere, where CPU autocast emulates bf16 and is slower.
     """
     want = cfg.precision
     cuda = device.type == "cuda"
