@@ -97,7 +97,9 @@ def test_a_notice_and_a_lost_node_in_one_run_lose_no_noticed_work_and_carry_each
                  300, "a checkpoint after the restart and a step past it", proc)
         before_loss = len(events(run, "restart"))  # the notice's restart(s)
         nodes.remove_worker()  # a Train worker's machine gone, no notice
-        lost_at = last_samples(run)
+        # Where the run had got to: workers write checkpoints straight to storage, while the driver writes their
+        # reports to metrics.jsonl a moment later, so the newest checkpoint can be ahead of the last line.
+        lost_at = max(last_samples(run), max(_checkpoint_samples(run)))
         nodes.add_worker()  # the autoscaler's replacement
         out = finish(proc, timeout=300)
     finally:
