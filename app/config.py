@@ -195,6 +195,9 @@ class DataConfig:
     prefetch_batches: Annotated[Int, Range(0, 64)] = 2
     # where training crops run: auto = the workers' device when they use CUDA (raw tiers), else Ray Data tasks
     augment_on: Annotated[Str, OneOf("auto", "cpu", "device")] = "auto"
+    # shift each training image by up to this many pixels each way, edges reflected, on the device after the
+    # crop (airbench's translate; app/train/shift.py); 0 = off
+    translate: Annotated[Int, Range(0, 64)] = 0
     # where JPEG tiers are decoded: auto = timed at start (CPU tasks vs decode_jpeg on the workers' CUDA device)
     decode_on: Annotated[Str, OneOf("auto", "cpu", "device")] = "auto"
     # decode_on=auto: the model's training images/s per GPU with decode elsewhere (device decode adds to its
@@ -251,6 +254,9 @@ class ModelConfig:
     # BatchNorm statistics over the global batch (an all-reduce per BN layer), so the steps do not depend on
     # the worker count; false = each worker normalises its own share (app/comm/global_bn.py says why)
     global_bn: Bool = False
+    # set the first conv's filters from the first batch's whitened 2x2 patches and freeze them (cifar_vgg's stem;
+    # app/train/whiten.py)
+    whiten_stem: Bool = False
 
 
 @_section
@@ -265,6 +271,12 @@ class OptimConfig:
     trust_coefficient: Annotated[Float, Range(0.0, 10.0)] = 0.001  # LARS
     label_smoothing: Annotated[Float, Range(0.0, 0.99)] = 0.1
     ema_decay: Annotated[Float, Range(0.0, 0.99999)] = 0.0  # 0 = off
+    # BatchNorm parameters train at this multiple of the LR, their weight decay divided by it so each step decays
+    # them as much as the weights (airbench94's 64x bias LR)
+    bn_lr_factor: Annotated[Float, Range(0.0, 10000.0)] = 1.0
+    # lookahead: every N steps the weights move to a slow average whose decay grows with progress, and take it at
+    # the end (airbench94; app/train/lookahead.py); 0 = off
+    lookahead_every: Annotated[Int, Range(0, 100000)] = 0
     grad_clip: Annotated[Float, Range(0.0, 1e6)] = 0.0  # 0 = off
     fused: Bool = True  # fused (GPU) / foreach multi-tensor optimizer kernels; false = per-tensor loop
     lamb_beta2: Annotated[Float, Range(0.0, 0.99999)] = 0.999  # LAMB second-moment decay (beta1 = momentum)
@@ -291,6 +303,8 @@ class ScheduleConfig:
     )
     eval_resolution: Annotated[Int, Range(0, 2048)] = 0  # 0 = default_eval_resolution (FixRes rule)
     tta_flip: Bool = False
+    # validation also scores each image moved this many pixels diagonally both ways (airbench's "level 2" views)
+    tta_translate: Annotated[Int, Range(0, 64)] = 0
     # train and test above the source's native size (upscaled images); off: such phases are clipped to it
     allow_upscale: Bool = False
 

@@ -30,6 +30,7 @@ from lightray import storage
 from lightray.data import augment, images
 from lightray.train import device as dev
 from lightray.train.export import MODEL_DIR, MODEL_JSON, state_from_bytes
+from lightray.train.shift import tta_logits
 
 log = logging.getLogger("lightray.inference")
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -95,6 +96,7 @@ class LoadedModel:
     precision: str = "fp32"
     channels_last: bool = False
     tta_flip: bool = False
+    tta_translate: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @torch.no_grad()
@@ -102,9 +104,7 @@ class LoadedModel:
         """Float logits (on CPU) of a uint8 NHWC batch, computed as the run's validation computed them."""
         x = self.transform.normalise(batch, self.device, self.channels_last)
         with dev.autocast(self.precision, self.device):
-            out = self.model(x).float()
-            if self.tta_flip:
-                out = (out + self.model(torch.flip(x, dims=[3])).float()) / 2
+            out = tta_logits(self.model, x, self.tta_flip, self.tta_translate)
         return out.cpu()
 
 
@@ -160,7 +160,7 @@ def open_model(run_or_model_dir: str, weights: str = "best", device: str | torch
                               std=tuple(norm.get("std", dev.IMAGENET_STD)))
     model.classes = list(info["classes"])  # so that five lines can print a label
     return LoadedModel(model, transform, list(info["classes"]), info, folder, weights, dev_, precision,
-                       channels_last, bool(info.get("tta_flip", False)))
+                       channels_last, bool(info.get("tta_flip", False)), int(info.get("tta_translate", 0)))
 
 
 def load_model(run_or_model_dir: str, weights: str = "best", device: str | torch.device | None = "cpu"

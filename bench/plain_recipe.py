@@ -123,6 +123,10 @@ def random_resized_crop(x: torch.Tensor, size: int, min_scale: float, gen: torch
     from torchvision.ops import roi_align
 
     n = x.shape[0]
+    if min_scale >= 1.0 and hw is None and x.shape[2] == x.shape[3] == size:
+        # lightray's crop at scale 1 is the whole image (RandomResizedCrop's fallback): only the flip is left
+        flip = torch.rand(n, generator=gen) < 0.5
+        return torch.where(flip.view(-1, 1, 1, 1), x.flip(3), x)
     h, w = (torch.full((n,), float(d)) for d in x.shape[2:]) if hw is None else torch.from_numpy(hw).float().T
     area = torch.empty(n).uniform_(min_scale, 1.0, generator=gen) * h * w
     ratio = torch.exp(torch.empty(n).uniform_(float(np.log(3 / 4)), float(np.log(4 / 3)), generator=gen))
@@ -163,6 +167,7 @@ def _normalise(batch: np.ndarray, channels_last: bool) -> torch.Tensor:
 def _top1(model: torch.nn.Module, xs: np.ndarray, ys: np.ndarray, cfg, size: int, cropped: bool,
           precision: str = "fp32") -> float:
     from lightray.train.device import autocast
+    from lightray.train.shift import tta_logits
 
     model.eval()
     hits = 0
@@ -173,30 +178,38 @@ def _top1(model: torch.nn.Module, xs: np.ndarray, ys: np.ndarray, cfg, size: int
         if cfg.model.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         with autocast(precision, torch.device("cpu")):
-            logits = model(x).float()
-            if cfg.schedule.tta_flip:
-                logits = (logits + model(torch.flip(x, dims=[3])).float()) / 2
+            logits = tta_logits(model, x, cfg.schedule.tta_flip, cfg.schedule.tta_translate)
         hits += int((logits.argmax(1) == torch.from_numpy(ys[lo:lo + 500])).sum())
     model.train()
     return hits / max(1, len(xs))
 
 
-def _train_epoch(model, opt, loss_fn, ema, sched, ph, arrays: dict[str, Any], perm: np.ndarray,
-                 gen: torch.Generator, samples: int, *, channels_last: bool, precision: str) -> int:
-    """One epoch of phase ``ph`` in the order ``perm``; returns the samples seen after it."""
+def _train_epoch(model, opt, loss_fn, averages: dict[str, Any], sched, ph, arrays: dict[str, Any], perm: np.ndarray,
+                 gen: torch.Generator, samples: int, *, cfg, epoch: int, precision: str) -> int:
+    """One epoch of phase ``ph`` in the order ``perm``; returns the samples seen after it. ``averages``: the EMA,
+    the lookahead and the stem to whiten (each None when off), built by the run's own classes."""
     from lightray.train.device import autocast
     from lightray.train.optim import set_lr_momentum
+    from lightray.train.shift import shift_batch
+    from lightray.train.whiten import whiten_from
 
     xtr, ytr = arrays["train"]
-    for s in range(len(xtr) // ph.batch_size):
+    ema, lookahead = averages["ema"], averages["lookahead"]
+    for s in range(len(ytr) // ph.batch_size):
         idx = perm[s * ph.batch_size:(s + 1) * ph.batch_size]
         src, hw = xtr, None
         if "train_by_res" in arrays:  # the copy resized for this phase, as lightray reads this phase's tier
             src, _labels, hw = arrays["train_by_res"][ph.resolution]
             hw = hw[idx]
         x = random_resized_crop(_normalise(src[idx], False), ph.resolution, ph.min_scale, gen, hw)
-        if channels_last:
+        if cfg.model.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
+        x = shift_batch(x, gen.initial_seed(), epoch, idx, cfg.data.translate)
+        if averages["stem"] is not None and samples == 0:
+            whiten_from(averages["stem"], x)
+            for average in (ema, lookahead):
+                if average is not None:
+                    average.reset(model)
         set_lr_momentum(opt, sched.lr_at(samples), sched.momentum_at(samples))
         with autocast(precision, torch.device("cpu")):
             loss = loss_fn(model(x), torch.from_numpy(ytr[idx]))
@@ -206,6 +219,11 @@ def _train_epoch(model, opt, loss_fn, ema, sched, ph, arrays: dict[str, Any], pe
         if ema is not None:
             ema.update(model)
         samples += ph.batch_size
+        averages["steps"] += 1
+        if lookahead is not None:
+            lookahead.after_step(model, averages["steps"], samples / sched.total_samples)
+            if samples >= sched.total_samples:
+                lookahead.finish(model)
     return samples
 
 
@@ -218,8 +236,10 @@ def run(cfg, arrays: dict[str, Any], *, targets: list[float], threads: int, seed
     from lightray.schedule import Schedule
     from lightray.train.device import precision_for
     from lightray.train.ema import ModelEMA
+    from lightray.train.lookahead import Lookahead
     from lightray.train.model import build_model
     from lightray.train.optim import build_loss, build_optimizer
+    from lightray.train.whiten import whitening_stem
 
     t_start = time.perf_counter()
     torch.set_num_threads(threads)
@@ -235,6 +255,8 @@ def run(cfg, arrays: dict[str, Any], *, targets: list[float], threads: int, seed
     opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
     loss_fn = build_loss(cfg.optim)
     ema = ModelEMA(model, cfg.optim.ema_decay) if cfg.optim.ema_decay > 0 else None
+    averages = {"ema": ema, "lookahead": Lookahead(model, cfg.optim.lookahead_every) if cfg.optim.lookahead_every
+                else None, "stem": whitening_stem(model) if cfg.model.whiten_stem else None, "steps": 0}
     # The same recipe runs at the precision lightray resolves for it on this CPU (bf16 autocast where the CPU
     # has bf16 in hardware), so the two sides differ in their plumbing only.
     precision = precision_for(cfg.model, torch.device("cpu"))
@@ -245,8 +267,8 @@ def run(cfg, arrays: dict[str, Any], *, targets: list[float], threads: int, seed
     t_train = time.perf_counter()
     for epoch in range(sched.epochs):
         ph = final if fixed_final else next(p for p in sched.resolved.phases if p.first_epoch <= epoch < p.end_epoch)
-        samples = _train_epoch(model, opt, loss_fn, ema, sched, ph, arrays, rng.permutation(len(xtr)), gen,
-                               samples, channels_last=cfg.model.channels_last, precision=precision)
+        samples = _train_epoch(model, opt, loss_fn, averages, sched, ph, arrays, rng.permutation(len(xtr)), gen,
+                               samples, cfg=cfg, epoch=epoch, precision=precision)
         top1 = _top1(ema.module if ema is not None else model, xva, yva, cfg, eval_res,
                      arrays.get("val_cropped", False), precision)
         now = time.perf_counter()

@@ -36,7 +36,7 @@ from tests.devices import lazy_device
 
 LEGACY_COUNTER_KEYS = ["samples_seen", "step", "starts", "device_seconds", "train_seconds", "resizes",
                        "preemption_checkpoints", "world_size", "best_top1"]
-RANK0_KEYS = {"comm", "rng", "model", "optimizer", "scaler", "ema", "counters", "config"}
+RANK0_KEYS = {"comm", "rng", "model", "optimizer", "scaler", "ema", "lookahead", "counters", "config"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -108,6 +108,40 @@ def test_load_state_dict_continues_exactly(tmp_path):
     train(a, [3])
     train(b, [3])  # same batch from the same state: the same next step
     assert_same_tensors(a.model.state_dict(), b.model.state_dict())
+
+
+AIRBENCH = {"model.arch": "cifar_vgg", "model.widths": [8, 16, 16], "model.zero_init_residual": False,
+            "model.whiten_stem": True, "data.translate": 2, "optim.lookahead_every": 2, "optim.bn_lr_factor": 64.0,
+            "optim.bn_bias_decay": True, "schedule.tta_translate": 1}
+
+
+def airbench_batch(seed: int, step: int) -> dict:
+    return {**batch(seed), "sample_id": np.arange(64 * step, 64 * (step + 1)), "epoch": np.zeros(64, np.int64)}
+
+
+def test_airbench_units_whiten_at_a_fresh_runs_first_step_and_resume_exactly(tmp_path):
+    records: list = []
+    a = make_trainer(tmp_path, records, **AIRBENCH)
+    stem = a.model.features[0]
+    initial = stem.weight.detach().clone()
+    run = PhaseRun(0, a.cfg.schedule.phases[0], 1.0)
+    for step, s in enumerate([1, 2]):
+        a.train_step(airbench_batch(s, step), run)
+    whitened = stem.weight.detach().clone()
+    assert not torch.equal(whitened, initial) and torch.equal(whitened[12:], -whitened[:12])
+    assert torch.equal(a.ema.module.features[0].weight, whitened)  # the average restarted from the whitened stem
+    assert [r["unit"] for r in records if r.get("event") == "unit"] == ["whiten_stem"]
+    assert {g["name"]: g["lr"] / a.optimizer.param_groups[0]["lr"] for g in a.optimizer.param_groups}["bn"] == 64.0
+    folder = write_checkpoint(a, tmp_path, world_size=1)
+    b = make_trainer(tmp_path, **AIRBENCH)
+    b.load_state_dict(load_rank_state(folder, 0))
+    for step, s in enumerate([3, 4], start=2):  # step 4 is a lookahead sync: it reads the restored slow weights
+        a.train_step(airbench_batch(s, step), run)
+        b.train_step(airbench_batch(s, step), run)
+    assert torch.equal(b.model.features[0].weight, whitened)  # frozen, and not whitened again after a resume
+    assert_same_tensors(a.model.state_dict(), b.model.state_dict())
+    for x, y in zip(a.lookahead.slow, b.lookahead.slow):
+        assert torch.equal(x, y)
 
 
 def test_restore_at_same_world_size_restores_rng_and_counts_a_restart(tmp_path):

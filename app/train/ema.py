@@ -49,6 +49,14 @@ class ModelEMA:
             e.copy_(v)
         self.num_updates += 1
 
+    @torch.no_grad()
+    def reset(self, model: nn.Module) -> None:
+        """Start the average again from ``model``'s current weights and buffers."""
+        live = unwrap_model(model)
+        for e, v in zip(list(self.module.parameters()) + list(self.module.buffers()),
+                        list(live.parameters()) + list(live.buffers())):
+            e.copy_(v)
+
     def state_dict(self) -> dict[str, Any]:
         return {"decay": self.decay, "num_updates": self.num_updates, "module": self.module.state_dict()}
 

@@ -16,6 +16,7 @@ import torch.nn as nn
 from lightray.config import Config
 from lightray.train import device as dev
 from lightray.train.prefetch import DevicePrefetcher
+from lightray.train.shift import tta_logits
 
 
 @torch.no_grad()
@@ -64,9 +65,7 @@ def _score(model: nn.Module, images, labels, device: torch.device, precision: st
     x = dev.images_to_device(images, device, cfg.model.channels_last)
     y = dev.host_to_device(labels, device)
     with dev.autocast(precision, device):
-        logits = model(x).float()
-        if cfg.schedule.tta_flip:
-            logits = (logits + model(torch.flip(x, dims=[3])).float()) / 2
+        logits = tta_logits(model, x, cfg.schedule.tta_flip, cfg.schedule.tta_translate)
     k = min(5, logits.shape[1])
     hit = logits.topk(k, dim=1).indices.eq(y.view(-1, 1))
     totals[0] += len(y)

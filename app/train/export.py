@@ -66,6 +66,7 @@ def describe(cfg: Any, classes: list[str], val_tier: int | None) -> dict[str, An
         # resizing to it first gives the pixels the run validated on.
         "resize_short": val_tier,
         "tta_flip": cfg.schedule.tta_flip,
+        "tta_translate": cfg.schedule.tta_translate,
         "normalize": {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD), "input": "RGB uint8 / 255"},
         "channels_last": cfg.model.channels_last,
         "precision": cfg.model.precision,

@@ -201,6 +201,14 @@ def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
         unit_log("global_bn", "off (model.global_bn=false): each worker normalises its own share of the batch",
                  layers=0)
     _zero_init(model, cfg.arch, cfg.zero_init_residual)
+    if cfg.whiten_stem:
+        from lightray.train.whiten import freeze_stem
+
+        freeze_stem(model)  # before DDP and the optimiser see which parameters train
+        unit_log("whiten_stem", "stem weight frozen; a fresh run sets it from its first batch's whitened patches",
+                 enabled=True)
+    else:
+        unit_log("whiten_stem", "off (model.whiten_stem=false)", enabled=False)
     n_params = sum(p.numel() for p in model.parameters())
     unit_log("model", f"{cfg.arch}: {n_params / 1e6:.2f}M parameters, {num_classes} classes", params=n_params)
     if getattr(cfg, "pretrained", ""):

@@ -48,7 +48,8 @@ def split_decay(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter
 
 
 def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict[str, Any]]:
-    """Two groups: ``decay`` (conv/linear weights) and ``no_decay`` (BN parameters and biases).
+    """Two groups: ``decay`` (conv/linear weights) and ``no_decay`` (BN parameters and biases); with
+    ``cfg.bn_lr_factor`` != 1 a third, ``bn``: the BN parameters, at that multiple of the LR (``lr_factor``).
 
     ``no_decay`` gets ``weight_decay=0`` unless ``cfg.bn_bias_decay``. ``always_adapt`` tells timm's
     LARS/LAMB which group gets the layer-wise trust ratio even at zero decay; torch's SGD ignores it.
@@ -59,6 +60,13 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict[str, Any]]:
         {"params": decay, "weight_decay": cfg.weight_decay, "name": "decay", "always_adapt": True},
         {"params": no_decay, "weight_decay": bn_wd, "name": "no_decay", "always_adapt": cfg.bn_bias_decay},
     ]
+    if cfg.bn_lr_factor != 1.0:
+        # A third group only when the factor is on, so the checkpoints of runs without it keep their two groups.
+        norm = {id(p) for m in model.modules() if isinstance(m, _NORM_TYPES) for p in m.parameters(recurse=False)}
+        groups[1]["params"] = [p for p in no_decay if id(p) not in norm]
+        groups.append({"params": [p for p in no_decay if id(p) in norm], "name": "bn", "lr_factor": cfg.bn_lr_factor,
+                       "weight_decay": bn_wd / cfg.bn_lr_factor if cfg.bn_lr_factor > 0 else 0.0,
+                       "always_adapt": cfg.bn_bias_decay})
     return [g for g in groups if g["params"]]
 
 
@@ -85,7 +93,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
     """
     groups = param_groups(model, cfg)
     n_decay = sum(p.numel() for g in groups if g["name"] == "decay" for p in g["params"])
-    n_rest = sum(p.numel() for g in groups if g["name"] == "no_decay" for p in g["params"])
+    n_rest = sum(p.numel() for g in groups if g["name"] != "decay" for p in g["params"])
     lr = cfg.lr_per_256  # placeholder: set_lr_momentum writes the schedule's value before each step
     nesterov = cfg.nesterov and cfg.momentum > 0
     if cfg.name == "sgd":
@@ -125,13 +133,17 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
     else:
         unit_log("bn_bias_decay", f"no weight decay on {n_rest} BN/bias parameters; {cfg.weight_decay} on "
                  f"{n_decay} weights", excluded=n_rest)
+    n_bn = sum(p.numel() for g in groups if g["name"] == "bn" for p in g["params"])
+    unit_log("bn_lr_factor", f"{n_bn} BatchNorm parameters train at {cfg.bn_lr_factor}x the LR, their decay divided "
+             "by it" if n_bn else "off (optim.bn_lr_factor=1): BatchNorm parameters train at the LR",
+             factor=cfg.bn_lr_factor if n_bn else 1.0, params=n_bn)
     return opt
 
 
 def set_lr_momentum(opt: torch.optim.Optimizer, lr: float, momentum: float) -> None:
     """Write the schedule's LR and momentum into every group (LAMB's momentum is its beta1)."""
     for g in opt.param_groups:
-        g["lr"] = lr
+        g["lr"] = lr * g.get("lr_factor", 1.0)
         if "betas" in g:
             g["betas"] = (momentum, g["betas"][1])
         elif "momentum" in g:

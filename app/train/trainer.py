@@ -48,9 +48,13 @@ from lightray.train.ema import ModelEMA
 from lightray.train.evaluate import evaluate as evaluate_split
 from lightray.train.export import ModelExporter
 from lightray.train.finetune import HeadWarmup
+from lightray.train.lookahead import Lookahead
+from lightray.train.lookahead import describe as describe_lookahead
 from lightray.train.model import build_model, to_device
 from lightray.train.optim import build_loss, build_optimizer, clip_gradients, set_lr_momentum
 from lightray.train.prefetch import DevicePrefetcher
+from lightray.train.shift import describe as describe_shift
+from lightray.train.shift import shift_batch
 from lightray.train.state import (
     ResumePoint,
     checkpoint_name,
@@ -58,6 +62,7 @@ from lightray.train.state import (
     read_recorded_resume,
     save_rank_state,
 )
+from lightray.train.whiten import whiten_first_batch, whitening_stem
 
 RANK_KEYS = ("comm", "rng")  # every rank's own part of a checkpoint; the rest is rank 0's replicated state
 
@@ -189,6 +194,8 @@ class Trainer:
         self.scaler = dev.make_grad_scaler(self.precision, self.device)
         self.comm.follow_loss_scale(self.scaler)  # fp16: residuals kept unscaled, left as they were by a skipped step
         self.ema = ModelEMA(self.model, cfg.optim.ema_decay) if cfg.optim.ema_decay > 0 else None
+        self.lookahead = Lookahead(self.model, cfg.optim.lookahead_every) if cfg.optim.lookahead_every else None
+        self.stem = whitening_stem(self.model) if cfg.model.whiten_stem else None  # whitened at a fresh run's step 0
         self.loss_fn = build_loss(cfg.optim)
         self.head_warmup = HeadWarmup(self.model, cfg.model.head_warmup_epochs, spec.train_size, cfg.model.pretrained)
         self.exporter: ModelExporter | None = None  # rank 0's, made at restore (it needs the best top-1 so far)
@@ -252,6 +259,7 @@ class Trainer:
         if self.rank == 0:
             state.update(model=self.model.state_dict(), optimizer=self.optimizer.state_dict(),
                          scaler=self.scaler.state_dict(), ema=self.ema.state_dict() if self.ema is not None else None,
+                         lookahead=self.lookahead.state_dict() if self.lookahead is not None else None,
                          counters=asdict(self.counters), config=self.cfg.to_dict())
         return state
 
@@ -263,6 +271,8 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         if self.ema is not None and state.get("ema"):
             self.ema.load_state_dict(state["ema"])
+        if self.lookahead is not None and state.get("lookahead"):
+            self.lookahead.load_state_dict(state["lookahead"])
         self.counters.update(state["counters"])
         if "comm" in state:
             self.comm.load_state_dict(state["comm"], world_size=self.world)
@@ -450,6 +460,8 @@ class Trainer:
             last = k == len(parts) - 1
             with contextlib.nullcontext() if last else self.ddp.no_sync():
                 x, y = self._micro_inputs(batch, lo, hi, run, skipped)
+                if self.stem is not None and c.step == 0 and k == 0:
+                    self._whiten_stem(x)
                 with dev.autocast(self.precision, self.device):
                     loss = self.loss_fn(self.forward(x), y)
                 # The slice's mean loss is the size-weighted sum of the micro-batches' means.
@@ -466,6 +478,10 @@ class Trainer:
             self.ema.update(self.model)
         c.samples_seen += run.phase.batch_size
         c.step += 1
+        if self.lookahead is not None:
+            self.lookahead.after_step(self.model, c.step, c.samples_seen / self.sched.total_samples)
+            if c.samples_seen >= self.sched.total_samples:
+                self.lookahead.finish(self.model)
         self.window["n"] += run.phase.batch_size
         self.window["steps"] += 1
         self.window["loss"] = self.window["loss"] + loss_sum
@@ -479,7 +495,8 @@ class Trainer:
             part = {k: batch[k][lo:hi] for k in ("jpeg", "box", "flip", "sample_id")}
             d = device_decode.decode_batch(part, self.device)
             x = dev.augmented_to_device(d.canvas, d.boxes, d.flips, res, self.device, cl)
-            labels = _rows(batch, "label", lo, hi)[torch.from_numpy(d.keep)]  # a dropped image loses its label
+            keep = torch.from_numpy(d.keep)
+            labels = _rows(batch, "label", lo, hi)[keep]  # a dropped image loses its label
             skipped.extend(d.skipped)
         elif "box" in batch:  # the device path: crop, resize and flip the stored pixels here, in one batched op
             x = dev.augmented_to_device(_rows(batch, "image", lo, hi), _rows(batch, "box", lo, hi),
@@ -488,7 +505,21 @@ class Trainer:
         else:
             x = dev.images_to_device(_rows(batch, "image", lo, hi), self.device, cl)
             labels = _rows(batch, "label", lo, hi)
+        if self.cfg.data.translate:
+            ids = np.asarray(batch["sample_id"][lo:hi])
+            ids = ids[d.keep] if "jpeg" in batch else ids  # the images device decode kept
+            x = shift_batch(x, self.spec.seed, int(batch["epoch"][0]), ids, self.cfg.data.translate)
         return x, dev.host_to_device(labels, self.device)
+
+    def _whiten_stem(self, x: torch.Tensor) -> None:
+        """``model.whiten_stem`` at a fresh run's first step: set the stem from this batch (rank 0's, broadcast);
+        the weight averages start again from the whitened model."""
+        event = whiten_first_batch(self.stem, x, self.world)
+        for average in (self.ema, self.lookahead):
+            if average is not None:
+                average.reset(self.model)
+        if self.rank == 0:
+            self.report({"event": "unit", **event})
 
     def _log_samples(self, batch: dict, epoch: int) -> None:
         if self.sample_log is not None:
@@ -534,16 +565,18 @@ class Trainer:
         if decoded_here:
             units.unit_log("decode_on", device_decode.describe(self.device, decoded_here), on="device",
                          device=self.device.type, phases=decoded_here)
+        s = self.cfg.schedule
+        shifts, views = describe_shift(self.cfg.data.translate, s.tta_translate, s.tta_flip)
         events = units.pop_unit_events() + [
             {"unit": "device_prefetch", "message": DevicePrefetcher.describe(self.device,
                                                                              self.cfg.scaling.device_prefetch),
              "enabled": self.cfg.scaling.device_prefetch, "device": self.device.type},
             {"unit": "fusion", "message": f"DDP bucket {self.bucket_mb:.2f} MB", "evidence": self.bucket_evidence},
             {"unit": "comm", "message": self.comm.describe()},
-            {"unit": "tta_flip", "enabled": self.cfg.schedule.tta_flip,
-             "message": ("validation scores the mean of each image's and its mirror's logits"
-                         if self.cfg.schedule.tta_flip else
-                         "off (schedule.tta_flip=false): validation scores each image once")}] + list(self.spec.events)
+            {"unit": "tta", "enabled": self.cfg.schedule.tta_flip or self.cfg.schedule.tta_translate > 0,
+             "message": views}, {"unit": "translate", "enabled": self.cfg.data.translate > 0, "message": shifts},
+            {"unit": "lookahead", "enabled": self.lookahead is not None,
+             "message": describe_lookahead(self.cfg.optim.lookahead_every)}] + list(self.spec.events)
         for ev in events:
             self.report({"event": "unit", **ev})
 

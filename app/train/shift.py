@@ -1,0 +1,104 @@
+"""Translate augmentation (``data.translate``) and translated test-time views (``schedule.tta_translate``), after
+the fast CIFAR-10 trainers (airbench94, hlb-cifar10).
+
+Training: every image moves by up to ``r`` pixels each way, its edges reflected into the gap, on the device after
+the crop (so it composes with either augmentation path). At 32 px a random-resized crop throws away a third of a
+small photo; a shift of 2 px keeps all of it and still stops the network from learning positions. Each image's
+shift comes from (seed, epoch, sample id), like its crop , so a resumed
+run shifts the same images the same way.
+
+Validation: the mean of the image's logits and of the image moved by ``t`` pixels diagonally both ways (with
+their mirrors when ``tta_flip`` is on), as airbench's "level 2" test-time augmentation weighs them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_SHIFT_STREAM = 0x5F1  # keeps the shift draws apart from any other draw of the same (seed, epoch, id)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijection of uint64 whose outputs pass as independent uniforms."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _uniforms(seed: int, epochs: np.ndarray, ids: np.ndarray, k: int) -> np.ndarray:
+    """(n, k) uniforms in [0, 1), draw j of sample i a function of (seed, epochs[i], ids[i], j) only. Hashed,
+    vectorised over the batch: the crop's per-sample generators (``augment.sample_uniforms``) cost about 50 ms for
+    a 1,024-image batch, which this unit would add to every training step."""
+    with np.errstate(over="ignore"):
+        key = _mix64(np.uint64(seed & (2**64 - 1)) ^ np.uint64(_SHIFT_STREAM))
+        key = _mix64(key ^ epochs.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+        key = _mix64(key ^ ids.astype(np.uint64))
+        z = _mix64(key[:, None] + np.arange(1, k + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    return (z >> np.uint64(11)).astype(np.float64) / float(2**53)
+
+
+def draw_shifts(seed: int, epochs: np.ndarray, ids: np.ndarray, r: int) -> np.ndarray:
+    """(n, 2) int64 (dy, dx) in [-r, r] for each sample, from its own (seed, epoch, sample id)."""
+    if r < 0:
+        raise ValueError(f"data.translate: bad value {r!r}; expected a whole number of pixels >= 0")
+    ids = np.atleast_1d(np.asarray(ids, np.int64))
+    epochs = np.broadcast_to(np.asarray(epochs, np.int64), ids.shape)
+    u = _uniforms(seed, epochs, ids, 2)
+    return np.minimum(np.floor(u * (2 * r + 1)), 2 * r).astype(np.int64) - r
+
+
+def shift_images(x: torch.Tensor, shifts: torch.Tensor | np.ndarray, r: int) -> torch.Tensor:
+    """``x`` (N, C, H, W) with image i moved by ``shifts[i] = (dy, dx)`` pixels (|dy|, |dx| <= r), the edges
+    reflected; one gather for the whole batch. Keeps ``x``'s memory format."""
+    if r == 0:
+        return x
+    s = torch.as_tensor(shifts, dtype=torch.long, device=x.device)
+    n, c, h, w = x.shape
+    if h <= r or w <= r:
+        raise ValueError(f"a shift of {r} px needs images larger than {r} px; got {h} x {w}")
+    padded = F.pad(x, (r, r, r, r), mode="reflect")
+    rows = torch.arange(h, device=x.device).view(1, h) + r - s[:, :1]  # (N, H): source row of each output row
+    cols = torch.arange(w, device=x.device).view(1, w) + r - s[:, 1:]  # (N, W)
+    out = padded[torch.arange(n, device=x.device).view(n, 1, 1, 1), torch.arange(c, device=x.device).view(1, c, 1, 1),
+                 rows.view(n, 1, h, 1), cols.view(n, 1, 1, w)]
+    channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    return out.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+def shift_batch(x: torch.Tensor, seed: int, epochs: np.ndarray, ids: np.ndarray, r: int) -> torch.Tensor:
+    """The training unit: each image of ``x`` shifted by its own draw (:func:`draw_shifts`)."""
+    return x if r == 0 else shift_images(x, draw_shifts(seed, epochs, ids, r), r)
+
+
+def tta_logits(model: nn.Module, x: torch.Tensor, flip: bool, translate: int) -> torch.Tensor:
+    """Float logits of ``x`` averaged over the test-time views: the image (and its mirror with ``flip``); with
+    ``translate`` > 0, half that and half the mean of the image moved by ``translate`` px down-right and up-left
+    (each with its mirror under ``flip``)."""
+
+    def viewed(v: torch.Tensor) -> torch.Tensor:
+        out = model(v).float()
+        return (out + model(torch.flip(v, dims=[3])).float()) / 2 if flip else out
+
+    logits = viewed(x)
+    if translate <= 0:
+        return logits
+    t = translate
+    n = x.shape[0]
+    moved = [viewed(shift_images(x, np.full((n, 2), d), t)) for d in (t, -t)]
+    return 0.5 * logits + 0.25 * (moved[0] + moved[1])
+
+
+def describe(translate: int, tta_translate: int, tta_flip: bool) -> tuple[str, str]:
+    """The unit lines of ``data.translate`` and of the validation views."""
+    train = (f"each training image shifted by up to {translate} px each way, edges reflected, per (epoch, sample)"
+             if translate else "off (data.translate=0): no shift")
+    views = 1 + int(tta_flip)
+    if tta_translate:
+        views *= 3
+    tta = (f"validation averages {views} views: the image"
+           + (", its mirror" if tta_flip else "")
+           + (f", and each moved by {tta_translate} px diagonally both ways" if tta_translate else ""))
+    return train, tta
