@@ -165,7 +165,9 @@ def _normalise(batch: np.ndarray, channels_last: bool) -> torch.Tensor:
 
 @torch.no_grad()
 def _top1(model: torch.nn.Module, xs: np.ndarray, ys: np.ndarray, cfg, size: int, cropped: bool,
-          precision: str = "fp32") -> float:
+          precision: str = "fp32", translate: int = 0) -> float:
+    """Top-1 with the run's test-time views; ``translate``: the shifted views' pixels (lightray scores them at the
+    final validation only)."""
     from lightray.train.device import autocast
     from lightray.train.shift import tta_logits
 
@@ -178,7 +180,7 @@ def _top1(model: torch.nn.Module, xs: np.ndarray, ys: np.ndarray, cfg, size: int
         if cfg.model.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         with autocast(precision, torch.device("cpu")):
-            logits = tta_logits(model, x, cfg.schedule.tta_flip, cfg.schedule.tta_translate)
+            logits = tta_logits(model, x, cfg.schedule.tta_flip, translate)
         hits += int((logits.argmax(1) == torch.from_numpy(ys[lo:lo + 500])).sum())
     model.train()
     return hits / max(1, len(xs))
@@ -270,7 +272,8 @@ def run(cfg, arrays: dict[str, Any], *, targets: list[float], threads: int, seed
         samples = _train_epoch(model, opt, loss_fn, averages, sched, ph, arrays, rng.permutation(len(xtr)), gen,
                                samples, cfg=cfg, epoch=epoch, precision=precision)
         top1 = _top1(ema.module if ema is not None else model, xva, yva, cfg, eval_res,
-                     arrays.get("val_cropped", False), precision)
+                     arrays.get("val_cropped", False), precision,
+                     cfg.schedule.tta_translate if epoch + 1 == sched.epochs else 0)
         now = time.perf_counter()
         history.append({"epoch": epoch + 1, "val_top1": top1, "train_s": now - t_train, "wall_s": now - t_start})
         note(f"{label} epoch {epoch + 1}/{sched.epochs} ({ph.resolution}px): top-1 {top1:.3f} "

@@ -21,10 +21,12 @@ from lightray.train.shift import tta_logits
 
 @torch.no_grad()
 def evaluate(model: nn.Module, shard, device: torch.device, precision: str, cfg: Config,
-             prefetch_batches: int = 2, batch_size: int = 256) -> dict[str, float]:
+             prefetch_batches: int = 2, batch_size: int = 256, translate: int | None = None) -> dict[str, float]:
     """Each rank scores its part of the split; counts (not means) are all-reduced, so the result is
     exactly the full split's accuracy whatever the number of workers or their share. The counts stay on
-    the device until the split is scored: the host reads them once, at the end."""
+    the device until the split is scored: the host reads them once, at the end. ``translate``: the translated
+    test-time views' shift (None = ``schedule.tta_translate``)."""
+    translate = cfg.schedule.tta_translate if translate is None else translate
     was_training = model.training
     if dist.is_available() and dist.is_initialized():
         # BN running stats drift apart per rank after the last step (each saw its own batch; DDP re-syncs them
@@ -39,7 +41,7 @@ def evaluate(model: nn.Module, shard, device: torch.device, precision: str, cfg:
                               enabled=cfg.scaling.device_prefetch)
     try:
         for chunk in chunks:
-            _score(model, chunk["image"], chunk["label"], device, precision, cfg, loss_fn, totals)
+            _score(model, chunk["image"], chunk["label"], device, precision, cfg, translate, loss_fn, totals)
     finally:
         chunks.close()
     if dist.is_available() and dist.is_initialized():
@@ -56,7 +58,7 @@ def _chunks(shard, prefetch_batches: int, batch_size: int) -> Iterator[dict]:
             yield {"image": block["image"][lo:lo + batch_size], "label": block["label"][lo:lo + batch_size]}
 
 
-def _score(model: nn.Module, images, labels, device: torch.device, precision: str, cfg: Config,
+def _score(model: nn.Module, images, labels, device: torch.device, precision: str, cfg: Config, translate: int,
            loss_fn: nn.Module, totals: torch.Tensor) -> None:
     """Add [n, top-1 hits, top-5 hits, loss sum] of one uint8 NHWC batch (NumPy, or tensors the prefetcher
     put on the device) to ``totals``, on the device."""
@@ -65,7 +67,7 @@ def _score(model: nn.Module, images, labels, device: torch.device, precision: st
     x = dev.images_to_device(images, device, cfg.model.channels_last)
     y = dev.host_to_device(labels, device)
     with dev.autocast(precision, device):
-        logits = tta_logits(model, x, cfg.schedule.tta_flip, cfg.schedule.tta_translate)
+        logits = tta_logits(model, x, cfg.schedule.tta_flip, translate)
     k = min(5, logits.shape[1])
     hit = logits.topk(k, dim=1).indices.eq(y.view(-1, 1))
     totals[0] += len(y)
