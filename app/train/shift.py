@@ -8,7 +8,8 @@ shift comes from (seed, epoch, sample id), like its crop , so a resumed
 run shifts the same images the same way.
 
 Validation: the mean of the image's logits and of the image moved by ``t`` pixels diagonally both ways (with
-their mirrors when ``tta_flip`` is on), as airbench's "level 2" test-time augmentation weighs them.
+their mirrors when ``tta_flip`` is on), as airbench's "level 2" test-time augmentation weighs them. A run scores
+these views at its final validation only (``Trainer.evaluate`` says why).
 """
 
 from __future__ import annotations
@@ -96,9 +97,8 @@ def describe(translate: int, tta_translate: int, tta_flip: bool) -> tuple[str, s
     train = (f"each training image shifted by up to {translate} px each way, edges reflected, per (epoch, sample)"
              if translate else "off (data.translate=0): no shift")
     views = 1 + int(tta_flip)
+    tta = f"validation averages {views} view{'s' if views > 1 else ''}: the image"
+    tta += ", its mirror" if tta_flip else ""
     if tta_translate:
-        views *= 3
-    tta = (f"validation averages {views} views: the image"
-           + (", its mirror" if tta_flip else "")
-           + (f", and each moved by {tta_translate} px diagonally both ways" if tta_translate else ""))
+        tta += f"; the final validation {3 * views}: also each moved by {tta_translate} px diagonally both ways"
     return train, tta

@@ -495,8 +495,7 @@ class Trainer:
             part = {k: batch[k][lo:hi] for k in ("jpeg", "box", "flip", "sample_id")}
             d = device_decode.decode_batch(part, self.device)
             x = dev.augmented_to_device(d.canvas, d.boxes, d.flips, res, self.device, cl)
-            keep = torch.from_numpy(d.keep)
-            labels = _rows(batch, "label", lo, hi)[keep]  # a dropped image loses its label
+            labels = _rows(batch, "label", lo, hi)[torch.from_numpy(d.keep)]  # a dropped image loses its label
             skipped.extend(d.skipped)
         elif "box" in batch:  # the device path: crop, resize and flip the stored pixels here, in one batched op
             x = dev.augmented_to_device(_rows(batch, "image", lo, hi), _rows(batch, "box", lo, hi),
