@@ -6,7 +6,8 @@ photos once into one uint8 array, then every step takes a random batch of it and
 (random-resized crop + flip as one ``roi_align``), with ``torch.set_num_threads`` set for the machine. The
 recipe is the run's own, read through ``load_config`` and fitted to the data as a run fits it: its phases
 (resolution, global batch, crop scale) by epoch, the optimiser and its parameter groups, the LR and momentum
-curves as functions of samples seen, label smoothing, the EMA of the weights and flip test-time augmentation,
+curves as functions of samples seen, label smoothing, the EMA of the weights, flip test-time augmentation and
+the fast CIFAR-10 trainers' units (translate, the translated views, the whitened stem, BN's LR factor, lookahead),
 each built by the same lightray function the run calls (so both sides do the same arithmetic). The split is
 the run's own: the same seeded hold-out of the same rows. ``fixed_final`` trains every epoch at the final
 phase instead (the fixed-resolution loop, the second baseline).
