@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightray.train.device import host_to_device
+
 _SHIFT_STREAM = 0x5F1  # keeps the shift draws apart from any other draw of the same (seed, epoch, id)
 
 
@@ -56,7 +58,8 @@ def shift_images(x: torch.Tensor, shifts: torch.Tensor | np.ndarray, r: int) -> 
     reflected; one gather for the whole batch. Keeps ``x``'s memory format."""
     if r == 0:
         return x
-    s = torch.as_tensor(shifts, dtype=torch.long, device=x.device)
+    # Through pinned memory on CUDA: a pageable copy would block the host on every training step.
+    s = host_to_device(torch.as_tensor(shifts, dtype=torch.long), x.device)
     n, c, h, w = x.shape
     if h <= r or w <= r:
         raise ValueError(f"a shift of {r} px needs images larger than {r} px; got {h} x {w}")
