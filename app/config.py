@@ -345,6 +345,9 @@ class ScalingConfig:
     max_batch_per_device: Annotated[Str, AfterValidator(_auto_or_count)] = "auto"
     # pin batches in a loader thread and copy them to the GPU one step ahead on a side stream (app/train/prefetch.py)
     device_prefetch: Bool = True
+    # glibc malloc keeps freed blocks for the next step in the processes of a cluster this run starts
+    # (app/train/host_memory.py); auto: when it trains on CPUs
+    reuse_host_memory: Annotated[Str, OneOf("auto", "true", "false")] = "auto"
 
 
 @_section

@@ -1,5 +1,7 @@
-"""Where a training step runs, and what that costs: the same step timed in a plain process, in a Ray actor, in a
-thread of that actor, and in a Ray Train worker's training thread.
+"""Where a training step runs, and what that costs: the same step timed in a plain process, in a thread of a plain
+process (with glibc's malloc as it comes, and with lightray's ``host_memory`` settings), in a Ray actor, in a
+thread of that actor, and in a Ray Train worker's training thread (the Ray places on a cluster started here
+without those settings: Ray's own defaults).
 
 ``python -m bench.step_env [--recipe imagenette] [--resolution 128] [--repeats 3]`` builds the recipe's model,
 optimizer and loss with lightray's own builders (as ``bench/plain_recipe.py`` does), then times fixed-size steps on
@@ -20,8 +22,9 @@ import time
 from typing import Any
 
 from bench.common import Machine, emit, machine_cores, note, pin_threads, resolved_ratio, spread
+from lightray.train.host_memory import MALLOC_ENV
 
-PLACES = ("plain", "ray_actor", "ray_actor_thread", "ray_train_worker")
+PLACES = ("plain", "thread", "thread_reused_memory", "ray_actor", "ray_actor_thread", "ray_train_worker")
 
 
 def time_steps(recipe: str, resolution: int, batch: int, steps: int, threads: int,
@@ -68,6 +71,23 @@ def _in_thread(*args: Any) -> dict[str, Any]:
     return box
 
 
+def _thread_in_process(step_args: tuple, extra_env: dict[str, str]) -> dict[str, Any]:
+    """The step in a thread of a fresh process whose environment adds ``extra_env`` (glibc reads its malloc
+    settings once, at a process's start: lightray's ``host_memory`` unit gives them to the processes of a cluster
+    it starts)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, sys; from bench.step_env import _in_thread; "
+            "print(json.dumps(_in_thread(*json.loads(sys.argv[1]))))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(list(step_args))], cwd=root, check=True,
+                         env={**os.environ, **extra_env}, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def _train_worker(args: tuple, cpus: int) -> dict[str, Any]:
     """One TorchTrainer run of one worker with ``cpus`` CPUs that times the steps in its train function (the
     figures come back through a file: the worker and this driver share the machine)."""
@@ -103,6 +123,8 @@ def measure(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
         for r in range(args.repeats):
             note(f"round {r + 1}/{args.repeats}")
             runs["plain"].append(time_steps(*step_args))
+            runs["thread"].append(_thread_in_process(step_args, {}))
+            runs["thread_reused_memory"].append(_thread_in_process(step_args, MALLOC_ENV))
             runs["ray_actor"].append(ray.get(actor.main.remote(step_args)))
             runs["ray_actor_thread"].append(ray.get(actor.thread.remote(step_args)))
             runs["ray_train_worker"].append(_train_worker(step_args, args.threads))

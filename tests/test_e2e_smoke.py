@@ -47,6 +47,15 @@ def test_smoke_run_trains_with_two_workers_and_loss_falls(smoke_run):
     assert {r["resolution"] for r in train} == {32, 48}
 
 
+def test_the_cluster_a_cpu_run_starts_gives_its_workers_host_memory_reuse(smoke_run):
+    from lightray.train.host_memory import MALLOC_ENV
+
+    said = [r for r in records(smoke_run[0]) if r.get("event") == "unit" and r.get("unit") == "host_memory"]
+    # Rank 0's worker process read its own environment: the settings reached it through the cluster the driver
+    # started, not through this test's process.
+    assert said and all(r["enabled"] and r["env"] == MALLOC_ENV for r in said), said
+
+
 def test_smoke_run_checkpoints_and_saves_config_and_classes(smoke_run):
     run_dir, proc = smoke_run
     ckpts = sorted(p for p in run_dir.glob("checkpoint_*") if p.is_dir())

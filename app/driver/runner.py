@@ -36,6 +36,7 @@ from lightray.driver import guard as driver_guard
 from lightray.driver import placement
 from lightray.schedule import Schedule
 from lightray.storage import join, write_bytes
+from lightray.train import host_memory
 from lightray.train.state import check_checkpoint_format, choose_and_record_resume, list_checkpoints, newest_meta
 
 log = logging.getLogger("lightray")
@@ -116,7 +117,7 @@ def connect_ray(cfg: Config, verbose: bool = False, dashboard: bool = False) -> 
         if stale:
             log.info("removed Ray's current-cluster file: nothing answers at %s", stale)
     if address == "local":  # always a fresh local cluster (tests, isolated runs)
-        ray.init(address="local", num_cpus=ncpu, **kwargs)
+        _start_local(cfg, ncpu, kwargs)
         return True
     if address == "auto" and not os.environ.get("RAY_ADDRESS"):
         try:
@@ -124,11 +125,20 @@ def connect_ray(cfg: Config, verbose: bool = False, dashboard: bool = False) -> 
             return False
         except (ConnectionError, RuntimeError, ValueError):
             pass
-        ray.init(address="local", num_cpus=ncpu, **kwargs)
+        _start_local(cfg, ncpu, kwargs)
         return True
     ray.init(address=None if address == "auto" else address,
              **{k: v for k, v in kwargs.items() if k != "include_dashboard"})
     return False
+
+
+def _start_local(cfg: Config, ncpu: int, kwargs: dict[str, Any]) -> None:
+    """A local cluster; its processes inherit this one's environment, with host memory reuse where wanted."""
+    import torch
+
+    if host_memory.wanted(cfg.scaling.reuse_host_memory, torch.cuda.device_count()):
+        host_memory.apply(os.environ)
+    ray.init(address="local", num_cpus=ncpu, **kwargs)
 
 
 def describe_cluster(started_here: bool) -> str:

@@ -40,7 +40,7 @@ from lightray.plain_rng import numpy_rng_from_plain, numpy_rng_to_plain
 from lightray.report.runlog import get_runlog
 from lightray.schedule import Position, Schedule
 from lightray.storage import join
-from lightray.train import accumulate
+from lightray.train import accumulate, host_memory
 from lightray.train import device as dev
 from lightray.train.agreement import agree
 from lightray.train.context import current_train_run_id
@@ -575,7 +575,8 @@ class Trainer:
             {"unit": "tta", "enabled": self.cfg.schedule.tta_flip or self.cfg.schedule.tta_translate > 0,
              "message": views}, {"unit": "translate", "enabled": self.cfg.data.translate > 0, "message": shifts},
             {"unit": "lookahead", "enabled": self.lookahead is not None,
-             "message": describe_lookahead(self.cfg.optim.lookahead_every)}] + list(self.spec.events)
+             "message": describe_lookahead(self.cfg.optim.lookahead_every)},
+            host_memory.describe()] + list(self.spec.events)
         for ev in events:
             self.report({"event": "unit", **ev})
 
