@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from bench.common import Machine, emit, machine_cores, note, pin_threads, resolved_ratio, spread
+from lightray.train import host_memory
 from lightray.train.host_memory import MALLOC_ENV
 
 PLACES = ("plain", "thread", "thread_reused_memory", "ray_actor", "ray_actor_thread", "ray_train_worker")
@@ -60,7 +61,8 @@ def time_steps(recipe: str, resolution: int, batch: int, steps: int, threads: in
         opt.step()
         times.append(time.perf_counter() - t0)
     return {"step_s": statistics.median(times[1:]), "threads": torch.get_num_threads(),
-            "thread": threading.current_thread().name, "precision": got}
+            "thread": threading.current_thread().name, "precision": got,
+            "reused_host_memory": host_memory.describe()["enabled"]}
 
 
 def _in_thread(*args: Any) -> dict[str, Any]:
@@ -83,8 +85,9 @@ def _thread_in_process(step_args: tuple, extra_env: dict[str, str]) -> dict[str,
     code = ("import json, sys; from bench.step_env import _in_thread; "
             "print(json.dumps(_in_thread(*json.loads(sys.argv[1]))))")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = {k: v for k, v in os.environ.items() if k not in MALLOC_ENV}  # glibc as it comes, unless given
     out = subprocess.run([sys.executable, "-c", code, json.dumps(list(step_args))], cwd=root, check=True,
-                         env={**os.environ, **extra_env}, capture_output=True, text=True).stdout
+                         env={**base, **extra_env}, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -157,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     figures = {"recipe": args.recipe, "resolution": args.resolution, "batch": args.batch, "threads": args.threads,
                "step_s": {p: spread([r["step_s"] for r in runs[p]]) for p in PLACES},
                "threads_seen": {p: sorted({r["threads"] for r in runs[p]}) for p in PLACES},
-               "thread_names": {p: sorted({r["thread"] for r in runs[p]}) for p in PLACES}}
+               "thread_names": {p: sorted({r["thread"] for r in runs[p]}) for p in PLACES},
+               "reused_host_memory": {p: sorted({r["reused_host_memory"] for r in runs[p]}) for p in PLACES}}
     ratios = {f"plain_over_{p}": resolved_ratio([a / r["step_s"] for a, r in zip(plain, runs[p])])
               for p in PLACES if p != "plain"}
     emit("step_env", figures, ratios, machine.finish(argv))

@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from bench.step_env import _in_thread, time_steps
+from bench.step_env import _in_thread, _thread_in_process, time_steps
+from lightray.train.host_memory import MALLOC_ENV
 
 
 @pytest.fixture
@@ -42,3 +43,13 @@ def test_the_precision_bench_times_each_recipe_step_in_fp32_and_in_bf16(threads_
     # The steps ran at what was asked for, and auto follows lightray's own rule for this CPU.
     assert time_steps("demo", 32, 8, 1, 1, "bf16")["precision"] == "bf16"
     assert time_steps("demo", 32, 8, 1, 1)["precision"] == precision_for(ModelConfig(), torch.device("cpu"))
+
+
+def test_the_reused_memory_place_is_a_fresh_processs_thread_started_with_the_settings(monkeypatch):
+    with_them = _thread_in_process(("demo", 32, 8, 2, 1), MALLOC_ENV)
+    assert with_them["thread"] == "step-thread" and with_them["threads"] == 1
+    assert with_them["reused_host_memory"] and 0 < with_them["step_s"] < 10
+    # The place beside it has glibc as it comes, also where this process holds them (connect_ray sets them).
+    for key, value in MALLOC_ENV.items():
+        monkeypatch.setenv(key, value)
+    assert not _thread_in_process(("demo", 32, 8, 2, 1), {})["reused_host_memory"]
