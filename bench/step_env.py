@@ -23,7 +23,6 @@ from typing import Any
 
 from bench.common import Machine, emit, machine_cores, note, pin_threads, resolved_ratio, spread
 from lightray.train import host_memory
-from lightray.train.host_memory import MALLOC_ENV
 
 PLACES = ("plain", "thread", "thread_reused_memory", "ray_actor", "ray_actor_thread", "ray_train_worker")
 
@@ -85,7 +84,7 @@ def _thread_in_process(step_args: tuple, extra_env: dict[str, str]) -> dict[str,
     code = ("import json, sys; from bench.step_env import _in_thread; "
             "print(json.dumps(_in_thread(*json.loads(sys.argv[1]))))")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    base = {k: v for k, v in os.environ.items() if k not in MALLOC_ENV}  # glibc as it comes, unless given
+    base = {k: v for k, v in os.environ.items() if k not in host_memory.MALLOC_ENV}  # glibc as it comes, unless given
     out = subprocess.run([sys.executable, "-c", code, json.dumps(list(step_args))], cwd=root, check=True,
                          env={**base, **extra_env}, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -127,7 +126,7 @@ def measure(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
             note(f"round {r + 1}/{args.repeats}")
             runs["plain"].append(time_steps(*step_args))
             runs["thread"].append(_thread_in_process(step_args, {}))
-            runs["thread_reused_memory"].append(_thread_in_process(step_args, MALLOC_ENV))
+            runs["thread_reused_memory"].append(_thread_in_process(step_args, host_memory.MALLOC_ENV))
             runs["ray_actor"].append(ray.get(actor.main.remote(step_args)))
             runs["ray_actor_thread"].append(ray.get(actor.thread.remote(step_args)))
             runs["ray_train_worker"].append(_train_worker(step_args, args.threads))

@@ -136,7 +136,8 @@ def _start_local(cfg: Config, ncpu: int, kwargs: dict[str, Any]) -> None:
     """A local cluster; its processes inherit this one's environment, with host memory reuse where wanted."""
     import torch
 
-    if host_memory.wanted(cfg.scaling.reuse_host_memory, torch.cuda.device_count()):
+    setting = cfg.scaling.reuse_host_memory  # only auto asks the CUDA driver (it costs a driver start on a GPU host)
+    if host_memory.wanted(setting, torch.cuda.device_count() if setting == "auto" else 0):
         host_memory.apply(os.environ)
     ray.init(address="local", num_cpus=ncpu, **kwargs)
 
