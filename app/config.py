@@ -198,6 +198,9 @@ class DataConfig:
     # shift each training image by up to this many pixels each way, edges reflected, on the device after the
     # crop (airbench's translate; app/train/shift.py); 0 = off
     translate: Annotated[Int, Range(0, 64)] = 0
+    # training flips: random = a coin per sample and epoch; alternate = a coin per sample, the other way in every
+    # odd epoch (airbench's alternating flip: every image seen both ways over any two epochs)
+    flip: Annotated[Str, OneOf("random", "alternate")] = "random"
     # where JPEG tiers are decoded: auto = timed at start (CPU tasks vs decode_jpeg on the workers' CUDA device)
     decode_on: Annotated[Str, OneOf("auto", "cpu", "device")] = "auto"
     # decode_on=auto: the model's training images/s per GPU with decode elsewhere (device decode adds to its
@@ -322,7 +325,7 @@ class ScalingConfig:
     workers: Str = "2"  # "N" or "MIN:MAX" (elastic)
     use_gpu: Annotated[Str, OneOf("auto", "true", "false")] = "auto"
     cpus_per_worker: Annotated[Float, Range(0.01, 1024)] = 0.5
-    # auto: join a running cluster, else start one; local: always a new local one
+    # auto: join RAY_ADDRESS's or this host's `ray start` cluster, else start a private one; local: always a new one
     ray_address: Str = "auto"
     ray_num_cpus: Annotated[Int, Range(0, 100000)] = 0  # logical CPUs for a local cluster; 0 = 2 x cores
     # worker/node failures tolerated (preemptions with notice are not counted)

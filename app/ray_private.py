@@ -249,6 +249,21 @@ def _answers(address: str, timeout_s: float = 1.0) -> bool:
         return False
 
 
+def recorded_cluster_address(temp_dir: str | None = None) -> str | None:
+    """The address in this host's "current cluster" file, or None when there is none. ``ray start`` (and so
+    ``ray up`` and KubeRay's head) and ``ray.cluster_utils.Cluster`` write it; a cluster that ``ray.init`` starts
+    inside one program does not. That program's cluster ends with it, so it is not one to join."""
+    try:
+        path = address_file(temp_dir)
+    except (ImportError, AttributeError):
+        return None  # check() has said so
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
 def drop_stale_cluster_address(temp_dir: str | None = None) -> str | None:
     """Remove this host's "current cluster" file (``/tmp/ray/ray_current_cluster``) when nothing answers at the
     address it names; returns that address, or None when the file is absent or live.
@@ -258,19 +273,11 @@ def drop_stale_cluster_address(temp_dir: str | None = None) -> str | None:
     how Ray Train's placement-group cleaner asks whether its controller lives: against a dead address each
     question waits out 20 retries, and every run's end waits 12 s for the cleaner to stop (measured here: a
     smoke run took 57 s with the stale file and 44 s without)."""
-    try:
-        path = address_file(temp_dir)
-    except (ImportError, AttributeError):
-        return None  # check() has said so
-    try:
-        with open(path) as f:
-            address = f.read().strip()
-    except OSError:
-        return None
+    address = recorded_cluster_address(temp_dir)
     if not address or _answers(address):
         return None
     try:
-        os.remove(path)
+        os.remove(address_file(temp_dir))
     except OSError:
         return None
     return address

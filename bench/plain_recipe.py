@@ -117,16 +117,17 @@ def load_tree(tree: str, sizes: list[int], eval_size: int, eval_tier: int, crop_
 
 
 def random_resized_crop(x: torch.Tensor, size: int, min_scale: float, gen: torch.Generator,
-                        hw: np.ndarray | None = None) -> torch.Tensor:
+                        hw: np.ndarray | None = None, flip: torch.Tensor | None = None) -> torch.Tensor:
     """Batched random-resized crop (area in [min_scale, 1], aspect in [3/4, 4/3]) and horizontal flip of a float
     NCHW batch, resized to ``size`` by bilinear ``roi_align``. ``hw``: each image's (height, width) where the
-    batch holds images of several sizes top-left on one canvas (else every image fills it)."""
+    batch holds images of several sizes top-left on one canvas (else every image fills it). ``flip``: the flip
+    bits to use (``data.flip=alternate``) instead of a coin each."""
     from torchvision.ops import roi_align
 
     n = x.shape[0]
     if min_scale >= 1.0 and hw is None and x.shape[2] == x.shape[3] == size:
         # lightray's crop at scale 1 is the whole image (RandomResizedCrop's fallback): only the flip is left
-        flip = torch.rand(n, generator=gen) < 0.5
+        flip = torch.rand(n, generator=gen) < 0.5 if flip is None else flip
         return torch.where(flip.view(-1, 1, 1, 1), x.flip(3), x)
     h, w = (torch.full((n,), float(d)) for d in x.shape[2:]) if hw is None else torch.from_numpy(hw).float().T
     area = torch.empty(n).uniform_(min_scale, 1.0, generator=gen) * h * w
@@ -137,7 +138,7 @@ def random_resized_crop(x: torch.Tensor, size: int, min_scale: float, gen: torch
     y0 = torch.rand(n, generator=gen) * (h - ch)
     boxes = torch.stack([torch.arange(n, dtype=torch.float32), x0, y0, x0 + cw, y0 + ch], 1)
     out = roi_align(x, boxes, output_size=(size, size), spatial_scale=1.0, sampling_ratio=2, aligned=True)
-    flip = torch.rand(n, generator=gen) < 0.5
+    flip = torch.rand(n, generator=gen) < 0.5 if flip is None else flip
     return torch.where(flip.view(-1, 1, 1, 1), out.flip(3), out)
 
 
@@ -191,6 +192,7 @@ def _train_epoch(model, opt, loss_fn, averages: dict[str, Any], sched, ph, array
                  gen: torch.Generator, samples: int, *, cfg, epoch: int, precision: str) -> int:
     """One epoch of phase ``ph`` in the order ``perm``; returns the samples seen after it. ``averages``: the EMA,
     the lookahead and the stem to whiten (each None when off), built by the run's own classes."""
+    from lightray.data.augment import alternating_flips
     from lightray.train.device import autocast
     from lightray.train.optim import set_lr_momentum
     from lightray.train.shift import shift_batch
@@ -204,7 +206,10 @@ def _train_epoch(model, opt, loss_fn, averages: dict[str, Any], sched, ph, array
         if "train_by_res" in arrays:  # the copy resized for this phase, as lightray reads this phase's tier
             src, _labels, hw = arrays["train_by_res"][ph.resolution]
             hw = hw[idx]
-        x = random_resized_crop(_normalise(src[idx], False), ph.resolution, ph.min_scale, gen, hw)
+        flip = None
+        if cfg.data.flip == "alternate":  # lightray's own alternating bits, by row index as the plain loop's ids
+            flip = torch.from_numpy(alternating_flips(gen.initial_seed(), np.full(len(idx), epoch), idx))
+        x = random_resized_crop(_normalise(src[idx], False), ph.resolution, ph.min_scale, gen, hw, flip)
         if cfg.model.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         x = shift_batch(x, gen.initial_seed(), epoch, idx, cfg.data.translate)

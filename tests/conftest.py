@@ -22,6 +22,12 @@ from tests.cpu_time import (  # noqa: F401
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+# How long a starting Ray node waits for its raylet to register with the GCS: one long poll of that many seconds
+# (Ray's system config raylet_start_wait_time_s, 30 by default; Ray's own error names the setting). Beside the
+# heavy tests in CI, a test's node missed 30 s three times on 2026-12-06 ("The current node timed out during
+# startup"). Every node the tests start, in this process or in the drivers and benches they run, inherits it.
+RAY_START_WAIT_S = 120
+os.environ.setdefault("RAY_raylet_start_wait_time_s", str(RAY_START_WAIT_S))
 from tests.s3_server import S3_ENV  # noqa: E402
 
 # Dummy credentials for the local S3 server (moto), set before any cluster starts: Ray's worker processes take

@@ -40,11 +40,12 @@ def _one_json_line(args: list[str], timeout: int = 900) -> dict:
 @pytest.mark.slow
 @pytest.mark.shares_cpu
 def test_overhead_bench_runs_interleaved_pairs_with_threads_pinned_alike_and_judges_the_spread():
-    check_overhead(_one_json_line(["bench.overhead", "--quick", "--pairs", "3"], timeout=290))
+    check_overhead(_one_json_line(["bench.overhead", "--quick", "--pairs", "2"], timeout=290))
 
 
 def check_overhead(res: dict) -> None:
-    """What a quick run with 3 pairs must show (also usable on a line saved from a run by hand)."""
+    """What a quick run with 2 pairs must show (also usable on a line saved from a run by hand). Two, not three:
+    the check is of the line's arithmetic, and each pair is two runs (about 55 s of CI beside the heavy tests)."""
     fig, rat = res["figures"], res["ratios"]
     assert res["bench"] == "overhead"
     assert fig["plain_steps_done"] == fig["steps"] == fig["lightray_steps_done"]
@@ -52,19 +53,20 @@ def check_overhead(res: dict) -> None:
         assert fig[f"{side}_steps_per_s"] > 0
         first, last = fig[f"{side}_loss_first_last"]
         assert math.isfinite(first) and math.isfinite(last) and 0 < first < 10
-        assert len(fig[f"{side}_steps_per_s_runs"]) == 3
+        assert len(fig[f"{side}_steps_per_s_runs"]) == 2
         assert fig[f"{side}_torch_threads"] == [1]  # every rank of every run, on both sides
-    assert fig["pair_orders"] == ["plain-lightray", "lightray-plain", "plain-lightray"]
+    assert fig["pair_orders"] == ["plain-lightray", "lightray-plain"]
     assert fig["lightray_val_samples"] > 0  # the end-of-epoch validation ran through the in-memory stream
     pairs = [lt / pl for lt, pl in zip(fig["lightray_steps_per_s_runs"], fig["plain_steps_per_s_runs"])]
     assert rat["lightray_over_plain_steps_per_s_pairs"] == pytest.approx(pairs, rel=0.01)
-    assert rat["lightray_over_plain_steps_per_s"] == pytest.approx(sorted(pairs)[1], rel=0.01)  # the median
+    median = sum(pairs) / 2  # the median of two
+    assert rat["lightray_over_plain_steps_per_s"] == pytest.approx(median, rel=0.01)
     assert rat["lightray_over_plain_steps_per_s_min"] == pytest.approx(min(pairs), rel=0.01)
     assert rat["lightray_over_plain_steps_per_s_max"] == pytest.approx(max(pairs), rel=0.01)
     assert rat["spread"] == pytest.approx(max(pairs) - min(pairs), abs=0.01)
-    assert rat["gap"] == pytest.approx(abs(sorted(pairs)[1] - 1), abs=0.01)
-    assert rat["resolved"] is (rat["spread"] <= rat["gap"])  # three pairs: the spread decides
-    assert res["machine"]["command"] == "python -m bench.overhead --quick --pairs 3"
+    assert rat["gap"] == pytest.approx(abs(median - 1), abs=0.01)
+    assert rat["resolved"] is (rat["spread"] <= rat["gap"])  # two pairs: the spread decides
+    assert res["machine"]["command"] == "python -m bench.overhead --quick --pairs 2"
 
 
 def test_resolved_ratio_is_false_when_the_pairs_spread_wider_than_the_gap():

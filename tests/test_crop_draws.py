@@ -81,3 +81,21 @@ def test_no_try_fitting_falls_back_to_the_largest_centred_box_within_the_ratio()
     assert np.allclose(boxes, [(810 - 120) / 2, 0, (810 + 120) / 2, 90])  # width 90 * 4/3, centred
     boxes, _ = augment.draw_crops(SEED, np.zeros(5, np.int64), np.arange(5), np.full(5, 810), np.full(5, 90), 1.0)
     assert np.allclose(boxes, [0, (810 - 120) / 2, 90, (810 + 120) / 2])  # height 90 * 4/3, centred
+
+
+def test_alternating_flips_mirror_each_image_once_in_any_two_epochs_from_a_seeded_coin():
+    import numpy as np
+    import pytest
+
+    from lightray.data.augment import alternating_flips, choose_flips
+
+    ids = np.arange(10_000, dtype=np.int64) * 7 + 3
+    first, second, third = (alternating_flips(1, np.full(len(ids), e), ids) for e in (0, 1, 2))
+    assert (first != second).all() and (first == third).all()  # the other way every next epoch
+    assert 0.48 < first.mean() < 0.52  # a fair coin per image in the first epoch
+    assert (alternating_flips(1, np.zeros(len(ids)), ids) != alternating_flips(2, np.zeros(len(ids)), ids)).any()
+    drawn = np.zeros(len(ids), bool)
+    assert choose_flips("random", 1, np.zeros(len(ids)), ids, drawn) is drawn
+    assert (choose_flips("alternate", 1, np.ones(len(ids)), ids, drawn) == second).all()
+    with pytest.raises(ValueError, match="data.flip: bad value 'sometimes'"):
+        choose_flips("sometimes", 1, np.zeros(3), ids[:3], drawn[:3])

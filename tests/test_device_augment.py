@@ -77,6 +77,25 @@ def test_device_path_crops_match_the_cpu_path_on_demo_tier_images(demo_manifest,
     assert (err < err_flipped).all(), np.flatnonzero(err >= err_flipped)
 
 
+def test_alternating_flips_show_each_image_the_other_way_in_the_next_epoch_on_both_paths(demo_manifest, tmp_path):
+    """data.flip=alternate reaches the tasks' batches: the device path's flip bits and the CPU path's pixels."""
+    spec = make_spec(demo_manifest, str(tmp_path / "local"), "device", cuda=False)
+    spec.flip = "alternate"
+    blocks = all_blocks(spec)
+    got = train_block_batch(blocks, spec=spec, phase=0, rank=0, world_size=1)
+    flips = {(sid, e): bool(f) for sid, e, f in zip(got["sample_id"].tolist(), got["epoch"].tolist(), got["flip"])}
+    ids = sorted({sid for sid, _e in flips})
+    assert {e for _sid, e in flips} == {0, 1} and len(flips) == 2 * len(ids)
+    assert all(flips[(sid, 0)] != flips[(sid, 1)] for sid in ids), flips
+    assert 0 < sum(flips[(sid, 0)] for sid in ids) < len(ids)  # both ways in one epoch
+    # The CPU path at crop scale 1 (the whole image, every epoch): epoch 1 shows epoch 0's mirror image.
+    spec.phases[0].device_augment, spec.phases[0].min_scale = False, 1.0
+    cpu = train_block_batch(blocks, spec=spec, phase=0, rank=0, world_size=1)
+    img = {(sid, e): im for sid, e, im in zip(cpu["sample_id"].tolist(), cpu["epoch"].tolist(), cpu["image"])}
+    for sid in ids:
+        assert np.array_equal(img[(sid, 1)], img[(sid, 0)][:, ::-1]), sid
+
+
 def test_augment_on_chooses_the_device_on_cuda_workers_and_the_cpu_otherwise(demo_manifest, tmp_path):
     local = str(tmp_path / "local")
     assert make_spec(demo_manifest, local, "auto", cuda=True).phases[0].device_augment

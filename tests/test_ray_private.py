@@ -78,3 +78,11 @@ def test_the_placement_group_job_id_is_the_one_ray_built_it_from():
     for n in (1, 7, 2**20):
         job = JobID.from_int(n)
         assert ray_private.placement_group_job_id(PlacementGroupID.of(job).hex()) == job.hex()
+
+
+def test_the_recorded_cluster_is_the_current_cluster_files_address_and_none_without_one(tmp_path):
+    assert ray_private.recorded_cluster_address(str(tmp_path)) is None
+    _address_file(tmp_path).write_text("")
+    assert ray_private.recorded_cluster_address(str(tmp_path)) is None
+    _address_file(tmp_path).write_text("10.0.0.5:6379\n")
+    assert ray_private.recorded_cluster_address(str(tmp_path)) == "10.0.0.5:6379"

@@ -94,6 +94,10 @@ def test_machines_lost_with_or_without_notice_or_hung_are_preemptions_losing_at_
     assert notice["lost_samples"] == 0, notice  # checkpointed at the notice
     assert loss["lost_samples"] <= INTERVAL and hang["lost_samples"] <= INTERVAL, (loss, hang)
     assert hang["hung_process_ended"], hang  # not left stopped, holding its machine
+    # Back within the collective timeout its peers waited plus a worker-group restart on a machine the autoscaler
+    # brings, not torch's 30-minute default (the full soak of 2026-12-05: five hangs back in 55-94 s). This is the
+    # CI check of bench.chaos's peer_hang too (test_chaos_bench, now run by hand): the same SIGSTOP of a Train worker.
+    assert hang["restart_s"] is not None and hang["restart_s"] < soak.COLLECTIVE_TIMEOUT_S + 120, hang
 
 
 def check_short_soak(fig: dict) -> None:

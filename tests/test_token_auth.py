@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 
@@ -73,11 +74,12 @@ def token_cluster(tmp_path_factory):
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def _client(code: str, home: pathlib.Path, *, mode: str | None, token: str | None, timeout: float = 150
-            ) -> subprocess.CompletedProcess:
+def _client(code: str, home: pathlib.Path, *, mode: str | None, token: str | None, timeout: float = 150,
+            env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh Python process as a client on this machine: the auth mode and token given,
     no token file in reach, no cluster address from the environment."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
+    env.update(env_extra or {})
     env["HOME"] = str(home)
     if mode is not None:
         env["RAY_AUTH_MODE"] = mode
@@ -152,3 +154,34 @@ def test_a_client_with_the_token_submits_and_attaches(token_cluster, tmp_path):
     assert out.returncode == 0 and "SUBMITTED" in out.stdout, out.stdout + out.stderr[-2000:]
     out = _client(ATTACH.format(address=address), tmp_path, mode="token", token=token)
     assert out.returncode == 0 and "ATTACHED 7" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_a_driver_refused_by_the_cluster_ray_start_recorded_stops_with_one_line_not_a_private_cluster(
+        token_cluster, tmp_path):
+    """``scaling.ray_address=auto`` on a host whose `ray start` cluster wants a token this driver lacks: one error
+    naming the address and what to do, not a run trained on a cluster of this machine alone (the old fallback)."""
+    address, _, _ = token_cluster
+    ray_tmp = pathlib.Path(tempfile.mkdtemp(prefix="lr-"))  # short: Ray's socket paths have a length cap
+    try:
+        (ray_tmp / "ray").mkdir()
+        (ray_tmp / "ray" / "ray_current_cluster").write_text(address)  # as `ray start` records it
+        out = _client(CONNECT, tmp_path, mode=None, token=None, env_extra={"RAY_TMPDIR": str(ray_tmp)})
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert out.returncode == 2, out.stdout + out.stderr[-3000:]
+    (line,) = [ln for ln in out.stdout.splitlines() if ln.startswith("ERROR")]
+    assert f"recorded at {address}" in line and "refused this driver" in line, line
+    assert "--scaling.ray_address=local" in line and "RAY_AUTH_MODE=token" in line, line
+
+
+CONNECT = """
+    import sys
+    from lightray.config import ConfigError, load_config
+    from lightray.driver.runner import connect_ray
+    try:
+        started = connect_ray(load_config("smoke", {"scaling.ray_num_cpus": "1"}))
+    except ConfigError as exc:
+        print("ERROR", exc)
+        sys.exit(2)
+    print("STARTED A PRIVATE CLUSTER" if started else "JOINED")
+"""

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image
 
+from lightray.data.sample_hash import hashed_uniforms
+
 
 def decode(data: bytes, fmt: str, height: int, width: int) -> Image.Image:
     if fmt == "raw":
@@ -73,16 +75,39 @@ def crop_boxes(u: np.ndarray, heights: np.ndarray, widths: np.ndarray, min_scale
 
 
 def draw_crops(seed: int, epochs: np.ndarray, ids: np.ndarray, heights: np.ndarray, widths: np.ndarray,
-               min_scale: float) -> tuple[np.ndarray, np.ndarray]:
+               min_scale: float, flip: str = "random") -> tuple[np.ndarray, np.ndarray]:
     """((n, 4) float64 crop boxes in stored-image pixels, (n,) flips) of every sample of a block at once, each
     from its own (seed, epoch, sample id): what the CPU path (:func:`train_crop`), the device path
-    (:func:`copy_windows`) and device decode crop."""
+    (:func:`copy_windows`) and device decode crop. ``flip``: ``data.flip`` (:func:`choose_flips`)."""
     ids = np.atleast_1d(np.asarray(ids, np.int64))
     if len(ids) == 0:
         return np.zeros((0, 4), np.float64), np.zeros(0, bool)
     epochs = np.broadcast_to(np.asarray(epochs, np.int64), ids.shape)
     u = sample_uniforms(seed, epochs, ids, _DRAWS)
-    return crop_boxes(u, heights, widths, min_scale), u[:, -1] < 0.5
+    return crop_boxes(u, heights, widths, min_scale), choose_flips(flip, seed, epochs, ids, u[:, -1] < 0.5)
+
+
+FLIPS = ("random", "alternate")
+_FLIP_STREAM = 0xF11
+
+
+def alternating_flips(seed: int, epochs: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """(n,) flip bits of ``data.flip=alternate`` (airbench's alternating flip): a sample's mirror in even epochs
+    is a hashed coin of (seed, sample id), and odd epochs show it the other way. Over any two epochs every image
+    is seen both ways, where independent coins repeat one side half the time; it pays most in short runs."""
+    ids = np.atleast_1d(np.asarray(ids, np.int64))
+    epochs = np.broadcast_to(np.asarray(epochs, np.int64), ids.shape)
+    first = hashed_uniforms(seed, _FLIP_STREAM, np.zeros_like(ids), ids, 1)[:, 0] < 0.5
+    return first ^ (epochs % 2 == 1)
+
+
+def choose_flips(flip: str, seed: int, epochs: np.ndarray, ids: np.ndarray, drawn: np.ndarray) -> np.ndarray:
+    """The flip bits for ``data.flip``: ``drawn`` (each sample's own coin per epoch) or the alternating ones."""
+    if flip == "random":
+        return drawn
+    if flip == "alternate":
+        return alternating_flips(seed, epochs, ids)
+    raise ValueError(f"data.flip: bad value {flip!r}; expected one of {', '.join(FLIPS)}")
 
 
 def train_crop(img: Image.Image, size: int, box: Sequence[float], flip: bool) -> np.ndarray:
@@ -177,13 +202,13 @@ def copy_windows(pixels: list[np.ndarray], boxes: np.ndarray, out: np.ndarray) -
 
 
 def device_windows(pixels: list[np.ndarray], seed: int, epochs: np.ndarray, ids: np.ndarray, min_scale: float,
-                   canvas: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   canvas: tuple[int, int], flip: str = "random") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The device path's task work for a block: (uint8 (n, *canvas, 3) windows, float32 (n, 4) boxes in canvas
     pixels, (n,) flips), every draw from (seed, epoch, sample id) as the CPU path draws it."""
     n = len(pixels)
     heights = np.fromiter((p.shape[0] for p in pixels), np.int64, n)
     widths = np.fromiter((p.shape[1] for p in pixels), np.int64, n)
-    boxes, flips = draw_crops(seed, epochs, ids, heights, widths, min_scale)
+    boxes, flips = draw_crops(seed, epochs, ids, heights, widths, min_scale, flip)
     images = np.zeros((n, *canvas, 3), np.uint8)
     return images, copy_windows(pixels, boxes, images), flips
 

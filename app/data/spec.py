@@ -108,6 +108,7 @@ class IngestSpec:
     eval_resolution: int
     val_crop_ratio: float
     map_cpus: float = MAP_CPUS
+    flip: str = "random"  # data.flip: each sample's own coin per epoch, or alternating (augment.choose_flips)
     local_max_bytes: int = 0  # disk budget of the node-local shard copies (data.local_cache_max_gb); 0 = none
     map_concurrency: int | None = None  # tasks in flight, all ranks together; None = Ray Data's default
     # The CPUs Ray Data had when map_concurrency was calibrated (None: pinned by the config, or not calibrated):

@@ -32,7 +32,7 @@ def positions_batch(spec: IngestSpec, phase: int, epochs: np.ndarray, shard_idx:
 def cpu_batch(spec: IngestSpec, ph: PhaseSpec, epochs: np.ndarray, shard_idx: np.ndarray, rows: np.ndarray) -> dict:
     """The CPU path: every sample decoded, cropped, resized and flipped here, into one (n, R, R, 3) batch."""
     heights, widths, labels, ids = ph.shards.meta(spec.local_dir, shard_idx, rows, spec.local_max_bytes)
-    boxes, flips = augment.draw_crops(spec.seed, epochs, ids, heights, widths, ph.min_scale)
+    boxes, flips = augment.draw_crops(spec.seed, epochs, ids, heights, widths, ph.min_scale, spec.flip)
     out = np.empty((len(ids), ph.resolution, ph.resolution, 3), np.uint8)
     for i, (img, _label, _sid) in enumerate(ph.shards.images(spec.local_dir, shard_idx, rows,
                                                              spec.local_max_bytes)):
@@ -49,7 +49,8 @@ def device_batch(spec: IngestSpec, ph: PhaseSpec, epochs: np.ndarray, shard_idx:
     labels = np.fromiter((label for _px, label, _sid in found), np.int64, len(found))
     ids = np.fromiter((sid for _px, _label, sid in found), np.int64, len(found))
     epochs = np.asarray(epochs, np.int64)
-    images, boxes, flips = augment.device_windows(pixels, spec.seed, epochs, ids, ph.min_scale, ph.canvas)
+    images, boxes, flips = augment.device_windows(pixels, spec.seed, epochs, ids, ph.min_scale, ph.canvas,
+                                                  spec.flip)
     return {"image": images, "box": boxes, "flip": flips, "label": labels, "sample_id": ids, "epoch": epochs}
 
 
@@ -57,7 +58,7 @@ def jpeg_batch(spec: IngestSpec, ph: PhaseSpec, epochs: np.ndarray, shard_idx: n
     """Device decode: each sample's stored JPEG bytes, untouched, with its crop box (in stored-image pixels) and
     flip bit."""
     heights, widths, labels, ids = ph.shards.meta(spec.local_dir, shard_idx, rows, spec.local_max_bytes)
-    boxes, flips = augment.draw_crops(spec.seed, epochs, ids, heights, widths, ph.min_scale)
+    boxes, flips = augment.draw_crops(spec.seed, epochs, ids, heights, widths, ph.min_scale, spec.flip)
     jpeg = np.empty(len(ids), dtype=object)
     for i, (data, _h, _w, _label, _sid) in enumerate(ph.shards.encoded(spec.local_dir, shard_idx, rows,
                                                                        spec.local_max_bytes)):

@@ -82,7 +82,8 @@ CLUSTER_ENV = {"TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": "5"}
 
 
 def connect_ray(cfg: Config, verbose: bool = False, dashboard: bool = False) -> bool:
-    """Join a running cluster if there is one, else start a local one with more logical CPUs than cores
+    """Join the cluster RAY_ADDRESS names or this host's `ray start` recorded, else start a local one, private to
+    this run, with more logical CPUs than cores
     (Train workers reserve CPUs; Ray Data's tasks need some left or the run stalls). Returns True when
     this call started the cluster (a local one, which no autoscaler grows).
 
@@ -120,15 +121,31 @@ def connect_ray(cfg: Config, verbose: bool = False, dashboard: bool = False) -> 
         _start_local(cfg, ncpu, kwargs)
         return True
     if address == "auto" and not os.environ.get("RAY_ADDRESS"):
-        try:
-            ray.init(address="auto", **{k: v for k, v in kwargs.items() if k != "include_dashboard"})
-            return False
-        except (ConnectionError, RuntimeError, ValueError):
-            pass
-        _start_local(cfg, ncpu, kwargs)
-        return True
+        return _join_recorded_or_start(cfg, ncpu, kwargs)
     ray.init(address=None if address == "auto" else address,
              **{k: v for k, v in kwargs.items() if k != "include_dashboard"})
+    return False
+
+
+def _join_recorded_or_start(cfg: Config, ncpu: int, kwargs: dict[str, Any]) -> bool:
+    """``auto`` without RAY_ADDRESS: only the cluster this host recorded (`ray start`, as ray up and KubeRay's
+    nodes run it), as a bare ray.init() would; else a local one, started here (returns True). Ray's own "auto"
+    also joins any GCS process it finds on the host: another run's private local cluster, which ended this run
+    when that run ended ("cluster lost")."""
+    recorded = ray_private.recorded_cluster_address()
+    if not recorded:
+        _start_local(cfg, ncpu, kwargs)
+        return True
+    try:
+        ray.init(address=recorded, **{k: v for k, v in kwargs.items() if k != "include_dashboard"})
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        # It answers (a dead one's file was dropped before) but refused this driver, a missing auth token most
+        # often: training on a private cluster of this machine alone instead would be a silent surprise.
+        raise ConfigError(
+            f"scaling.ray_address=auto: the Ray cluster this host's `ray start` recorded at {recorded} "
+            f"({ray_private.address_file()}) refused this driver: {type(exc).__name__}: {str(exc)[:300]}; "
+            "expected to join it (with token auth: RAY_AUTH_MODE=token and its token, as cluster.yaml sets "
+            "them), or --scaling.ray_address=local for a private local cluster") from exc
     return False
 
 
@@ -168,7 +185,7 @@ def build_ingest_spec(cfg: Config, manifest, shared_tiers: dict[str, list] | Non
                       val=tier_shards(manifest, "val", _val_tier_want(cfg, eval_resolution(cfg))),
                       eval_resolution=eval_resolution(cfg), val_crop_ratio=cfg.data.val_crop_ratio,
                       map_concurrency=cfg.data.preprocess_concurrency or None,
-                      prefetch_batches=cfg.data.prefetch_batches,
+                      prefetch_batches=cfg.data.prefetch_batches, flip=cfg.data.flip,
                       local_max_bytes=int(cfg.data.local_cache_max_gb * 2**30))
     # Rect val plan, object-store cache level and preprocessing autotune: these run Ray tasks, so Ray is up.
     ranks = cfg.worker_range()[1]

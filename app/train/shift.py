@@ -19,28 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightray.data.sample_hash import hashed_uniforms
 from lightray.train.device import host_to_device
 
 _SHIFT_STREAM = 0x5F1  # keeps the shift draws apart from any other draw of the same (seed, epoch, id)
-
-
-def _mix64(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: a bijection of uint64 whose outputs pass as independent uniforms."""
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
-def _uniforms(seed: int, epochs: np.ndarray, ids: np.ndarray, k: int) -> np.ndarray:
-    """(n, k) uniforms in [0, 1), draw j of sample i a function of (seed, epochs[i], ids[i], j) only. Hashed,
-    vectorised over the batch: the crop's per-sample generators (``augment.sample_uniforms``) cost about 50 ms for
-    a 1,024-image batch, which this unit would add to every training step."""
-    with np.errstate(over="ignore"):
-        key = _mix64(np.uint64(seed & (2**64 - 1)) ^ np.uint64(_SHIFT_STREAM))
-        key = _mix64(key ^ epochs.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
-        key = _mix64(key ^ ids.astype(np.uint64))
-        z = _mix64(key[:, None] + np.arange(1, k + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
-    return (z >> np.uint64(11)).astype(np.float64) / float(2**53)
 
 
 def draw_shifts(seed: int, epochs: np.ndarray, ids: np.ndarray, r: int) -> np.ndarray:
@@ -49,7 +31,7 @@ def draw_shifts(seed: int, epochs: np.ndarray, ids: np.ndarray, r: int) -> np.nd
         raise ValueError(f"data.translate: bad value {r!r}; expected a whole number of pixels >= 0")
     ids = np.atleast_1d(np.asarray(ids, np.int64))
     epochs = np.broadcast_to(np.asarray(epochs, np.int64), ids.shape)
-    u = _uniforms(seed, epochs, ids, 2)
+    u = hashed_uniforms(seed, _SHIFT_STREAM, epochs, ids, 2)
     return np.minimum(np.floor(u * (2 * r + 1)), 2 * r).astype(np.int64) - r
 
 

@@ -574,6 +574,9 @@ class Trainer:
             {"unit": "comm", "message": self.comm.describe()},
             {"unit": "tta", "enabled": self.cfg.schedule.tta_flip or self.cfg.schedule.tta_translate > 0,
              "message": views}, {"unit": "translate", "enabled": self.cfg.data.translate > 0, "message": shifts},
+            {"unit": "alternating_flip", "enabled": self.spec.flip == "alternate",
+             "message": "each image mirrored in even epochs iff its hashed coin says so, the other way in odd ones"
+             if self.spec.flip == "alternate" else "a coin per image and epoch"},
             {"unit": "lookahead", "enabled": self.lookahead is not None,
              "message": describe_lookahead(self.cfg.optim.lookahead_every)},
             host_memory.describe()] + list(self.spec.events)
