@@ -8,6 +8,7 @@ failing silently later.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -92,11 +93,58 @@ def _probe_placement_group_id() -> bool:
     return placement_group_job_id(PlacementGroupID.of(job).hex()) == job.hex()
 
 
+# The GCS port a cluster that ray.init starts takes from the environment (ray._private.node; 0 = any free port).
+GCS_PORT_ENV = "RAY_GCS_SERVER_PORT"
+
+
+def _probe_gcs_port_env() -> bool:
+    from ray._private import ray_constants
+
+    return ray_constants.GCS_PORT_ENVIRONMENT_VARIABLE == GCS_PORT_ENV
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def own_address_for_a_local_cluster():
+    """While a local cluster starts (ray.init(address="local")), give its processes its own address.
+
+    A process of a cluster that asks Ray's State API without an address (Ray Train's placement-group cleaner asks
+    whether its run's controller lives, every second) is sent to RAY_ADDRESS, else to the cluster this host's
+    `ray start` recorded, else to the one GCS it finds running. A cluster that ray.init starts records nothing.
+    So beside another cluster on the host, the cleaner asked that one, found no controller, and removed the run's
+    placement group, which killed its workers. That happened in CI (2026-12-06), and it happens to a user who
+    runs `lightray train --scaling.ray_address=local` beside a `ray start` cluster. So the GCS port is chosen
+    here, and the raylet and every worker inherit RAY_ADDRESS naming it. The driver's own environment is given
+    back after the start. Yields the address; a port the user set in RAY_GCS_SERVER_PORT is kept."""
+    import ray
+
+    port = int(os.environ.get(GCS_PORT_ENV) or 0) or free_port()
+    address = f"{ray.util.get_node_ip_address()}:{port}"
+    saved = {key: os.environ.get(key) for key in (GCS_PORT_ENV, "RAY_ADDRESS")}
+    os.environ[GCS_PORT_ENV], os.environ["RAY_ADDRESS"] = str(port), address
+    try:
+        yield address
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def _probes() -> dict[str, object]:
     """What each private interface lightray uses must look like in the pinned Ray: name -> a check that
     returns True, or False / raises when it changed."""
     return {
         "ray._common.utils.get_ray_address_file": lambda: bool(address_file()),
+        f"{GCS_PORT_ENV}, the GCS port of a cluster ray.init starts (a private run beside another cluster would "
+        "have Ray Train's placement-group cleaner ask that one, and remove the run's placement group)":
+            _probe_gcs_port_env,
         "ray.train.v2's _is_preemption_failure charging a worker error marked preempted to "
         "max_preemption_failures (spot notices would use up scaling.max_failures)": preemption_has_its_own_budget,
         "ray.train.v2._internal.execution.callback.WorkerGroupCallback":

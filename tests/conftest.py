@@ -28,6 +28,7 @@ os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 # startup"). Every node the tests start, in this process or in the drivers and benches they run, inherits it.
 RAY_START_WAIT_S = 120
 os.environ.setdefault("RAY_raylet_start_wait_time_s", str(RAY_START_WAIT_S))
+from tests import machine_gate  # noqa: E402
 from tests.s3_server import S3_ENV  # noqa: E402
 
 # Dummy credentials for the local S3 server (moto), set before any cluster starts: Ray's worker processes take
@@ -39,13 +40,18 @@ TIMEOUT_S = 300  # as pyproject.toml's [tool.pytest.ini_options] timeout
 SESSION_CPUS = 6  # logical CPUs of the session cluster: Train workers, Ray Data tasks and two search trials
 
 
+def pytest_configure(config):
+    machine_gate.register(config)
+
+
 def pytest_collection_modifyitems(config, items):
-    # Tests marked own_cluster replace or end this process's Ray cluster: they run after every test that shares
-    # the session cluster, so that it starts once. A stable sort: file order is kept within each group.
-    # Tests marked timing_bound go after the others of their group: in CI the shares_cpu tests run beside this
-    # process for its first minutes (.ci/run), and these tests' waits and limits assume the machine to themselves.
-    items.sort(key=lambda item: (item.get_closest_marker("own_cluster") is not None,
-                                 item.get_closest_marker("timing_bound") is not None))
+    # Tests marked timing_bound go last: their waits and limits assume the machine to themselves, and in CI the
+    # shares_cpu tests run beside this process (.ci/run) until tests/machine_gate.py holds them off; by then most
+    # of them have run. Within each half, tests marked own_cluster replace or end this process's Ray cluster:
+    # they run after every test that shares the session cluster, so that it starts at most twice. A stable sort:
+    # file order is kept within each group.
+    items.sort(key=lambda item: (item.get_closest_marker("timing_bound") is not None,
+                                 item.get_closest_marker("own_cluster") is not None))
     # At most TIMEOUT_S a test in CI (the `bench` runs, by hand only, may take longer): a hung run fails in
     # minutes and names its test, instead of eating CI's limit.
     for item in items:
@@ -71,8 +77,12 @@ def start_session_ray():
     cluster of its own shut it down)."""
     import ray
 
+    from lightray.ray_private import own_address_for_a_local_cluster
+
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=SESSION_CPUS, include_dashboard=False, log_to_driver=False)
+        # Its processes ask Ray's State API their own cluster, not one a `ray start` on this host recorded.
+        with own_address_for_a_local_cluster():
+            ray.init(address="local", num_cpus=SESSION_CPUS, include_dashboard=False, log_to_driver=False)
         ray.data.DataContext.get_current().enable_progress_bars = False
     return ray
 
