@@ -106,20 +106,12 @@ def _starts(recs: list[dict], after: float) -> list[dict]:
 
 def train_workers(fc, fcm) -> dict[str, list[int]]:
     """node id -> the Train worker processes on that machine (below its raylet, titled ``ray::RayTrainWorker``)."""
-    import psutil
-
     table = fcm.process_table()
     out: dict[str, list[int]] = {}
-    for pid, (_, cmd) in table.items():
-        if not (cmd.split(" ")[0].endswith("/raylet") and fc.temp_dir in cmd):
-            continue
-        try:
-            node_id = psutil.Process(pid).environ().get("RAY_OVERRIDE_NODE_ID_FOR_TESTING")
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
+    for pid, node_id in fc.raylets(table).items():
         below = fcm.with_descendants({pid}, table) - {pid}
         workers = sorted(p for p in below if "RayTrainWorker" in table[p][1])
-        if node_id and workers:
+        if workers:
             out[node_id] = workers
     return out
 

@@ -153,21 +153,27 @@ class FakeCluster:
         """
         node_id = node["nodeId"]
         table = process_table()
-        raylets = set()
-        for pid, (_, cmd) in table.items():
-            if not (cmd.split(" ")[0].endswith("/raylet") and self.temp_dir in cmd):
-                continue
-            try:
-                environ = psutil.Process(pid).environ()
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-            if environ.get("RAY_OVERRIDE_NODE_ID_FOR_TESTING") == node_id:
-                raylets.add(pid)
+        raylets = {pid for pid, of in self.raylets(table).items() if of == node_id}
         if len(raylets) != 1:
             raise RuntimeError(f"expected one raylet of node {node_id} under {self.temp_dir}, found {raylets}")
         victims = with_descendants(raylets, table)
         kill_pids(victims)
         return victims
+
+    def raylets(self, table: dict[int, tuple[int, str]]) -> dict[int, str]:
+        """This cluster's raylets: pid -> node id (the fake provider's RAY_OVERRIDE_NODE_ID_FOR_TESTING; the
+        head's raylet has none and is left out)."""
+        out = {}
+        for pid, (_, cmd) in table.items():
+            if not (cmd.split(" ")[0].endswith("/raylet") and self.temp_dir in cmd):
+                continue
+            try:
+                node_id = psutil.Process(pid).environ().get("RAY_OVERRIDE_NODE_ID_FOR_TESTING")
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if node_id:
+                out[pid] = node_id
+        return out
 
     def own_pids(self) -> set[int]:
         table = process_table()
