@@ -117,8 +117,8 @@ def own_address_for_a_local_cluster():
     whether its run's controller lives, every second) is sent to RAY_ADDRESS, else to the cluster this host's
     `ray start` recorded, else to the one GCS it finds running. A cluster that ray.init starts records nothing.
     So beside another cluster on the host, the cleaner asked that one, found no controller, and removed the run's
-    placement group, which killed its workers. That happened in CI (2026-12-06), and it happens to a user who
-    runs `lightray train --scaling.ray_address=local` beside a `ray start` cluster. So the GCS port is chosen
+    placement group, which kills its workers: a user who runs `lightray train --scaling.ray_address=local` beside
+    a `ray start` cluster (traced here 2026-12-06; tests/test_cluster_address.py). So the GCS port is chosen
     here, and the raylet and every worker inherit RAY_ADDRESS naming it. The driver's own environment is given
     back after the start. Yields the address; a port the user set in RAY_GCS_SERVER_PORT is kept."""
     import ray

@@ -2,9 +2,8 @@
 
 Ray Train's placement-group cleaner asks Ray's State API every second whether its run's controller lives, with no
 address: so it asks the cluster this host's `ray start` recorded. When that was another cluster, the answer was
-"no such actor", and the cleaner removed the run's placement group, which killed its workers. That happened to CI
-(2026-12-06): a private run beside the soak's `ray start` cluster; a soak beside tests whose `Cluster()` records
-itself. The run's processes must ask their own cluster."""
+"no such actor", and the cleaner could remove the run's placement group, which kills its workers (traced here
+2026-12-06 with a smoke run beside a `ray start` cluster). The run's processes must ask their own cluster."""
 
 from __future__ import annotations
 

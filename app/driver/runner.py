@@ -158,10 +158,11 @@ def _start_local(cfg: Config, ncpu: int, kwargs: dict[str, Any]) -> None:
         host_memory.apply(os.environ)
     with ray_private.own_address_for_a_local_cluster() as address:
         ray.init(address="local", num_cpus=ncpu, **kwargs)
-    if ray.get_runtime_context().gcs_address.rpartition(":")[2] != address.rpartition(":")[2]:
+    started_at = ray.get_runtime_context().gcs_address
+    if started_at.rpartition(":")[2] != address.rpartition(":")[2]:
         log.warning("the local Ray cluster's GCS is at %s, not at %s as %s asked (lightray.ray_private): Ray Train's "
                     "placement-group cleaner may ask another cluster on this host about this run",
-                    ray.get_runtime_context().gcs_address, address, ray_private.GCS_PORT_ENV)
+                    started_at, address, ray_private.GCS_PORT_ENV)
 
 
 def describe_cluster(started_here: bool) -> str:
