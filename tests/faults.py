@@ -373,10 +373,25 @@ class NodeCluster:
         return node
 
     def remove_worker(self, node=None):
-        """A machine lost without notice: its raylet and every process on it killed at once."""
+        """A machine lost without notice: every process on it stops at once, then is killed.
+
+        ``Cluster.remove_node`` kills only the node's own Ray processes (raylet, agents). The worker processes
+        below the raylet go on until they notice their raylet gone (up to a second), and in that time a Train
+        worker can take steps and write a whole checkpoint after the "loss", which a vanished machine cannot: a CI
+        run resumed from one written after the test had read where the run was. So the node's whole process
+        tree is frozen first (SIGSTOP: nothing more runs or is written), and killed after Ray's own removal."""
+        import psutil
+        from ray._private import ray_constants
+
         node = node if node is not None else self.nodes[0]
+        raylet = psutil.Process(node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid)
+        frozen = [raylet, *process_tree(raylet.pid)]  # the raylet first: it reports nothing of the others
+        for proc in frozen:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(signal.SIGSTOP)
         self.nodes.remove(node)
         self.cluster.remove_node(node, allow_graceful=False)
+        kill_processes(frozen)
         return node
 
     def alive_trainer_nodes(self) -> list[str]:

@@ -69,6 +69,31 @@ def _checkpoint_samples(run) -> set[int]:
     return {int(p.name.split("_")[1]) for p in checkpoints(run)}
 
 
+def test_a_machine_lost_without_notice_runs_nothing_more_once_it_is_removed(nodes):
+    """The fault tests' machine loss (NodeCluster.remove_worker) leaves no process of the node running: a worker
+    process that outlived its raylet could step and write a checkpoint after the loss (a CI run failed so). An
+    actor on a trainer node is the worker; right after the removal it is gone, a zombie or stopped."""
+    import psutil
+    import ray
+
+    @ray.remote(num_cpus=0, resources={"trainer": 1})
+    class Worker:
+        def where(self):
+            return os.getpid(), ray.get_runtime_context().get_node_id()
+
+    actor = Worker.remote()
+    pid, node_id = ray.get(actor.where.remote(), timeout=120)
+    (node,) = [n for n in nodes.nodes if n.node_id == node_id]
+    nodes.remove_worker(node)
+    with contextlib.suppress(psutil.NoSuchProcess):
+        status = psutil.Process(pid).status()
+        assert status in (psutil.STATUS_ZOMBIE, psutil.STATUS_STOPPED, psutil.STATUS_DEAD), (pid, status)
+    nodes.add_worker()
+    # The next test starts on two live trainer nodes: the lost one must be marked dead first (about 6 s).
+    wait_for(lambda: node_id not in nodes.alive_trainer_nodes(), 120, "the lost node marked dead")
+    ray.kill(actor)
+
+
 def test_a_notice_and_a_lost_node_in_one_run_lose_no_noticed_work_and_carry_each_planned_sample_once(
         nodes, tmp_path, shared_cache):
     """A spot notice (the node drained for preemption) and later a node gone without notice, in one run of fixed
