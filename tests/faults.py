@@ -376,7 +376,7 @@ class NodeCluster:
         """A machine lost without notice: every process on it stops at once, then is killed.
 
         ``Cluster.remove_node`` kills only the node's own Ray processes (raylet, agents). The worker processes
-        below the raylet go on until they notice their raylet gone (up to a second), and in that time a Train
+        below the raylet go on until they notice their raylet gone (how long was not measured), and in that time a Train
         worker can take steps and write a whole checkpoint after the "loss", which a vanished machine cannot: a CI
         run resumed from one written after the test had read where the run was. So the node's whole process
         tree is frozen first (SIGSTOP: nothing more runs or is written), and killed after Ray's own removal."""
