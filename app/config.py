@@ -348,6 +348,10 @@ class ScalingConfig:
     max_batch_per_device: Annotated[Str, AfterValidator(_auto_or_count)] = "auto"
     # pin batches in a loader thread and copy them to the GPU one step ahead on a side stream (app/train/prefetch.py)
     device_prefetch: Bool = True
+    # open each phase's data stream before its first step: the first while the model is built, the next at the
+    # start of the current phase's last epoch (app/train/phase_streams.py). Off by default: on a 2-CPU machine
+    # Ray Data's start is CPU work on the step's own cores, and opening it early cost wall time (bench.unit_ab)
+    stream_ahead: Bool = False
     # glibc malloc keeps freed blocks for the next step in the processes of a cluster this run starts
     # (app/train/host_memory.py); auto: when it trains on CPUs
     reuse_host_memory: Annotated[Str, OneOf("auto", "true", "false")] = "auto"

@@ -135,7 +135,24 @@ def _side_result(history: list[dict[str, Any]], targets: list[float], startup_s:
             "epochs_run": len(history), "best_top1": max(float(r["val_top1"]) for r in history),
             "train_s_total": float(history[-1]["train_s"]), "total_wall_s": total_wall_s,
             "train_s_per_epoch": float(history[-1]["train_s"]) / len(history),
-            "top1_per_epoch": [round(float(r["val_top1"]), 4) for r in history], **extra}
+            "top1_per_epoch": [round(float(r["val_top1"]), 4) for r in history],
+            "epoch_s": [round(float(r["train_s"]) - float(p["train_s"]), 3)
+                        for p, r in zip([{"train_s": 0.0}] + history, history)], **extra}
+
+
+def epoch_gaps(light_runs: list[dict[str, Any]], base_runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where lightray's training time goes against a baseline's, epoch by epoch: per epoch that both sides ran
+    in a repeat (a baseline stops at the highest target), lightray's seconds less the baseline's, as the median
+    over the repeats, with their sum. The same seed gives both sides the same epochs' work."""
+    per_epoch: list[list[float]] = []
+    for lt, b in zip(light_runs, base_runs):
+        for i, (x, y) in enumerate(zip(lt["epoch_s"], b["epoch_s"])):
+            if len(per_epoch) <= i:
+                per_epoch.append([])
+            per_epoch[i].append(x - y)
+    medians = [spread(v, 3)["median"] for v in per_epoch]
+    return {"lightray_minus_baseline_s": medians, "sum_s": round(sum(medians), 2),
+            "repeats_per_epoch": [len(v) for v in per_epoch]}
 
 
 # --- the plain PyTorch loop both baselines share -------------------------------------------------------
@@ -344,6 +361,7 @@ def summarize_side(runs: list[dict[str, Any]], targets: list[float]) -> dict[str
     out["best_top1"] = spread([r["best_top1"] for r in runs], 4)
     out["epochs_run"] = [r["epochs_run"] for r in runs]
     out["top1_per_epoch"] = [r["top1_per_epoch"] for r in runs]
+    out["epoch_s"] = [r["epoch_s"] for r in runs]
     for key in ("train_s", "wall_s"):
         out[f"{key}_to_target"] = {f"{t:g}": spread([r["by_target"][f"{t:g}"][key] for r in runs], 2)
                                    for t in targets}
@@ -483,6 +501,7 @@ def main_photos(args: argparse.Namespace, repeats: int) -> int:
                                                                           in arrays else "")
                                       + ", batched roi_align crops"},
     }
+    figures["epoch_gap_vs_plain_same_recipe"] = epoch_gaps(light, same)
     ratios = ratios_against(same, light, targets, "vs_plain_same_recipe")
     if fixed:
         figures["plain_fixed_resolution"] = {**summarize_side(fixed, targets), "threads": threads,
@@ -633,6 +652,7 @@ def summarise(args: argparse.Namespace, inp: DemoInputs, runs: DemoRuns, repeats
                         "lr_peak": tuned0["lr_peak"], "threads": tuned0["threads"],
                         "loader_workers": tuned0["loader_workers"], "processes": 1},
     }
+    figures["epoch_gap_vs_plain_same_recipe"] = epoch_gaps(runs.light, runs.same)
     ratios = ratios_against(runs.same, runs.light, targets, "vs_plain_same_recipe")
     ratios.update(ratios_against(runs.tuned, runs.light, targets, "vs_tuned_plain"))
     if runs.example:

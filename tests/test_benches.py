@@ -149,6 +149,14 @@ def check_time_to_accuracy(res: dict) -> None:
             want = fig[side][f"{key}_to_target"]["0.5"]["median"] / fig["lightray"][f"{key}_to_target"]["0.5"]["median"]
             assert r["median"] == pytest.approx(want, rel=0.02) and r["missing"] == 0
             assert r["resolved"] is (r["n"] >= 2 and r["spread"] <= r["gap"])  # one repeat: never resolved
+    # Where the time went, epoch by epoch, over the epochs both sides ran: with one repeat, the gaps add up to
+    # the difference of the two sides' training clocks at the last such epoch.
+    gap = fig["epoch_gap_vs_plain_same_recipe"]
+    both = len(gap["lightray_minus_baseline_s"])
+    assert both == min(fig["lightray"]["epochs_run"][0], same["epochs_run"][0])
+    assert gap["repeats_per_epoch"] == [1] * both
+    assert gap["sum_s"] == pytest.approx(sum(fig["lightray"]["epoch_s"][0][:both]) - sum(same["epoch_s"][0][:both]),
+                                         abs=0.02)
     # lightray's run folder holds the validation records the times were read from
     vals = [r for r in read_jsonl(pathlib.Path(fig["lightray"]["run_dirs"][0]) / "metrics.jsonl") if "val_top1" in r]
     assert [round(r["val_top1"], 4) for r in vals] == pytest.approx(fig["lightray"]["top1_per_epoch"][0], abs=1e-4)
@@ -187,6 +195,41 @@ def test_overhead_rejects_a_warmup_that_is_not_a_report_step():
 def _tta_run(times: dict[str, float | None], best: float, lr: float = 0.1) -> dict:
     return {"by_target": {k: {"reached": v is not None, "train_s": v, "wall_s": None if v is None else v + 10,
                               "epochs": 1} for k, v in times.items()}, "best_top1": best, "lr_per_256": lr}
+
+
+def test_epoch_gaps_are_median_differences_over_the_epochs_both_sides_ran():
+    from bench.time_to_accuracy import epoch_gaps
+
+    light = [{"epoch_s": [5.0, 2.0, 3.0]}, {"epoch_s": [4.0, 2.5, 3.0]}]
+    base = [{"epoch_s": [2.0, 2.0]}, {"epoch_s": [3.0, 2.0, 2.0, 9.0]}]  # the first stopped at its target
+    gap = epoch_gaps(light, base)
+    assert gap["lightray_minus_baseline_s"] == [2.0, 0.25, 1.0] and gap["repeats_per_epoch"] == [2, 2, 1]
+    assert gap["sum_s"] == 3.25
+
+
+def test_unit_ab_reads_config_values_as_yaml_and_names_a_bad_one():
+    from bench.unit_ab import parse_set
+
+    assert parse_set(["scaling.stream_ahead=false", "schedule.epochs=3"]) == {"scaling.stream_ahead": False,
+                                                                           "schedule.epochs": 3}
+    with pytest.raises(SystemExit, match=r"--set 'scaling\.stream_ahead': expected KEY=VALUE"):
+        parse_set(["scaling.stream_ahead"])
+
+
+def test_unit_ab_ratios_are_off_over_on_seconds_per_pair():
+    from bench.unit_ab import pair_ratios
+
+    def run(t: float, first: float, total: float) -> dict:
+        return {"by_target": {"0.8": {"train_s": t, "wall_s": t + first}}, "first_step_s": first,
+                "total_wall_s": total}
+
+    on = [run(10.0, 20.0, 60.0), run(10.0, 22.0, 64.0)]
+    off = [run(12.0, 20.0, 66.0), run(13.0, 24.2, 64.0)]
+    r = pair_ratios(on, off, [0.8])
+    assert r["train_s.0.8"]["runs"] == [1.2, 1.3] and r["train_s.0.8"]["resolved"] is True
+    assert r["wall_s.0.8"]["runs"] == [pytest.approx(32 / 30, abs=1e-4), pytest.approx(37.2 / 32, abs=1e-4)]
+    assert r["first_step_s"]["runs"] == [1.0, 1.1] and r["first_step_s"]["resolved"] is False
+    assert r["total_wall_s"]["runs"] == [1.1, 1.0] and r["total_wall_s"]["resolved"] is False
 
 
 def test_example_sweep_prefers_more_targets_then_the_sooner_then_the_better_top1():

@@ -63,6 +63,7 @@ class DevicePrefetcher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._done = False
+        self.first_ready = threading.Event()  # set once the loader thread holds a batch (or the end) for the step
 
     @staticmethod
     def describe(device: torch.device, enabled: bool) -> str:
@@ -77,14 +78,24 @@ class DevicePrefetcher:
     def __iter__(self) -> DevicePrefetcher:
         return self
 
+    @property
+    def started(self) -> bool:
+        """Whether the loader thread has been started (it reads ``source`` from then on)."""
+        return self._thread is not None
+
+    def start(self) -> None:
+        """Start the loader thread now, before the first batch is asked for (it pulls from ``source`` at once).
+        Disabled, there is no thread: ``source`` is read when the step asks."""
+        if self.enabled and self._thread is None and not self._done:
+            self._thread = threading.Thread(target=self._load, name="lightray-prefetch", daemon=True)
+            self._thread.start()
+
     def __next__(self) -> dict[str, Any]:
         if not self.enabled:
             return next(self.source)
         if self._done:
             raise StopIteration
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._load, name="lightray-prefetch", daemon=True)
-            self._thread.start()
+        self.start()
         item = self._queue.get()
         if item is _END:
             self._done = True
@@ -138,6 +149,7 @@ class DevicePrefetcher:
         while not self._stop.is_set():
             try:
                 self._queue.put(item, timeout=0.1)
+                self.first_ready.set()
                 return True
             except queue.Full:
                 continue

@@ -52,6 +52,7 @@ from lightray.train.lookahead import Lookahead
 from lightray.train.lookahead import describe as describe_lookahead
 from lightray.train.model import build_model, to_device
 from lightray.train.optim import build_loss, build_optimizer, clip_gradients, set_lr_momentum
+from lightray.train.phase_streams import PhaseStreams
 from lightray.train.prefetch import DevicePrefetcher
 from lightray.train.shift import describe as describe_shift
 from lightray.train.shift import shift_batch
@@ -189,6 +190,18 @@ class Trainer:
         self.ctx = ctx  # lightray.train.context: Ray Train's worker context, or a one-worker run in this process
         self.report = report if report is not None else RunLogReporter(cfg.name, rank)
         self.t_start = time.time()
+        self.device = dev.select_device()
+        self.sched = Schedule(cfg.schedule, cfg.optim, spec.train_size)
+        # The stream of the phase this start begins in starts while the model and DDP are built (a collective
+        # and seconds of work); unless rank 0 must time decode on its device before any rank asks for data.
+        self.streams = PhaseStreams(lambda name: self.ctx.dataset_shard(name), self._rank_rows,
+                                    spec.prefetch_batches, self.device, device_prefetch=cfg.scaling.device_prefetch,
+                                    ahead=cfg.scaling.stream_ahead, probe_first=bool(start_decode.needs_probe(spec)))
+        if ctx is not None:
+            resumed_at = read_recorded_resume(run_dir).samples_seen
+            first = self._next_phase(resumed_at)
+            if first is not None:
+                self.streams.open_ahead(first, resumed_at)
         self._build_model(num_classes, topology)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         self.scaler = dev.make_grad_scaler(self.precision, self.device)
@@ -199,7 +212,6 @@ class Trainer:
         self.loss_fn = build_loss(cfg.optim)
         self.head_warmup = HeadWarmup(self.model, cfg.model.head_warmup_epochs, spec.train_size, cfg.model.pretrained)
         self.exporter: ModelExporter | None = None  # rank 0's, made at restore (it needs the best top-1 so far)
-        self.sched = Schedule(cfg.schedule, cfg.optim, spec.train_size)
         self.counters = Counters(world_size=world)
         self.clock = time.time()  # start of the time not yet added to the counters' seconds
         self.last_ckpt_time = time.time()
@@ -222,7 +234,6 @@ class Trainer:
     def _build_model(self, num_classes: int, topology: Topology | None) -> None:
         """Device, model, DDP wrapper and comm hook. Collectives inside: every rank builds in the same order."""
         cfg = self.cfg
-        self.device = dev.select_device()
         self.precision = dev.precision_for(cfg.model, self.device)
         dev.enable_cudnn_benchmark(cfg.model, self.device)
         torch.manual_seed(cfg.scaling.seed)  # same initial weights on every rank
@@ -321,6 +332,12 @@ class Trainer:
     # --- the loop ----------------------------------------------------------------------------------
     def run(self) -> None:
         """Restore, then train every remaining phase; ends with the comm statistics and a barrier."""
+        try:
+            self._run()
+        finally:
+            self.streams.close()  # a stream opened ahead for a phase this start did not reach
+
+    def _run(self) -> None:
         self.restore()
         self.resume_step = self.counters.step  # the first step after it ends this start's start-up
         self._probe_decode()
@@ -357,6 +374,19 @@ class Trainer:
         if self.world > 1:
             dist.barrier()
 
+    def _rank_rows(self, phase_idx: int) -> int:
+        """This rank's rows of each global batch of phase ``phase_idx``."""
+        lo, hi = rank_slice(self.cfg.schedule.phases[phase_idx].batch_size, self.world, self.rank)
+        return hi - lo
+
+    def _next_phase(self, samples_seen: int, after: int = -1) -> int | None:
+        """The first phase after ``after`` with epochs left to train from ``samples_seen`` (None when none)."""
+        if samples_seen >= self.sched.total_samples:
+            return None
+        start = max(self.sched.locate(samples_seen).phase_index, after + 1)
+        return next((i for i in range(start, len(self.spec.phases))
+                     if self.spec.phases[i].end_epoch > self.spec.phases[i].first_epoch), None)
+
     def phase_run(self, phase_idx: int) -> PhaseRun:
         """The phase's PhaseRun, with its micro-steps agreed across ranks (a collective: every rank calls it at
         the start of the phase); reports the ``accumulation`` unit."""
@@ -374,16 +404,14 @@ class Trainer:
     def run_phase(self, phase_idx: int, pos: Position) -> None:
         """Train the phase's epochs from ``pos``, validating and checkpointing at each epoch's end."""
         phase = self.cfg.schedule.phases[phase_idx]
-        lo, hi = rank_slice(phase.batch_size, self.world, self.rank)
         run = self.phase_run(phase_idx)
-        shard = self.ctx.dataset_shard(f"train_p{phase_idx}")
-        batches = DevicePrefetcher(iter(shard.iter_batches(batch_size=hi - lo, batch_format="numpy",
-                                                           prefetch_batches=self.spec.prefetch_batches,
-                                                           drop_last=False)),
-                                   self.device, enabled=self.cfg.scaling.device_prefetch)
+        batches = self.streams.take(phase_idx)
+        opened = self.streams.opened_at.get(phase_idx)
         self.report({"event": "unit", "unit": "progressive_resize",
                      "message": f"phase {phase_idx}: {phase.resolution}px, global batch {phase.batch_size}, "
-                                f"min crop scale {phase.min_scale}", "phase": phase_idx})
+                                f"min crop scale {phase.min_scale}"
+                                + (f"; its stream opened ahead at {opened} samples" if opened is not None else ""),
+                     "phase": phase_idx, "stream_opened_at": opened})
         compiled_before = dev.compile_counts() if isinstance(self.forward, dev.CompiledForward) else None
         try:
             self._run_phase_epochs(phase_idx, pos, run, batches)
@@ -394,8 +422,11 @@ class Trainer:
 
     def _run_phase_epochs(self, phase_idx: int, pos: Position, run: PhaseRun, batches: Iterator[dict]) -> None:
         ph_spec = self.spec.phases[phase_idx]
+        following = self._next_phase(self.counters.samples_seen, after=phase_idx)
         for epoch in range(max(ph_spec.first_epoch, pos.epoch), ph_spec.end_epoch):
             first_step = pos.step_in_epoch if epoch == pos.epoch else 0
+            if epoch == ph_spec.end_epoch - 1 and following is not None:
+                self.streams.open_ahead(following, self.counters.samples_seen)  # its start overlaps this epoch
             if not self.run_epoch(epoch, first_step, run, batches):
                 return  # stopped mid-epoch: the interval checkpoint holds the position
             self.end_epoch(epoch, run)
@@ -570,6 +601,7 @@ class Trainer:
             {"unit": "device_prefetch", "message": DevicePrefetcher.describe(self.device,
                                                                              self.cfg.scaling.device_prefetch),
              "enabled": self.cfg.scaling.device_prefetch, "device": self.device.type},
+            {"unit": "stream_ahead", "enabled": self.streams.ahead, "message": self.streams.describe()},
             {"unit": "fusion", "message": f"DDP bucket {self.bucket_mb:.2f} MB", "evidence": self.bucket_evidence},
             {"unit": "comm", "message": self.comm.describe()},
             {"unit": "tta", "enabled": self.cfg.schedule.tta_flip or self.cfg.schedule.tta_translate > 0,

@@ -1,0 +1,90 @@
+"""``scaling.stream_ahead``: a phase's data stream is read before its first step asks for it
+(app/train/phase_streams.py).
+
+The streams here are real Ray Data iterators on the session's cluster, whose map task marks a file when it runs; the
+trainer's wiring is read from the session's finished smoke run."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+
+from lightray.train.phase_streams import PhaseStreams
+from tests.faults import records
+from tests.finished_run import NAME
+
+ROWS, PER_STEP = 12, 4
+
+
+def _marked_stream(ray, marks: pathlib.Path):
+    """A dataset whose map task leaves a file per block in ``marks`` when it runs (in a Ray worker process)."""
+    def to_batch(block: dict, folder: str) -> dict:
+        ids = np.asarray(block["id"], dtype=np.int64)
+        pathlib.Path(folder, f"block_{int(ids[0])}").write_text("")
+        return {"image": np.zeros((len(ids), 8, 8, 3), np.uint8), "label": ids % 3, "sample_id": ids,
+                "epoch": np.zeros(len(ids), np.int64)}
+
+    marks.mkdir()
+    ds = ray.data.range(ROWS, override_num_blocks=3).map_batches(to_batch, batch_size=None,
+                                                                 fn_kwargs={"folder": str(marks)})
+    return ds.iterator()
+
+
+def _streams(shards: dict, **switches) -> PhaseStreams:
+    kwargs = {"device_prefetch": True, "ahead": True, "probe_first": False, **switches}
+    return PhaseStreams(shards.__getitem__, lambda phase: PER_STEP, 1, torch.device("cpu"), **kwargs)
+
+
+def test_a_stream_opened_ahead_is_read_before_its_first_step_asks(ray_local, tmp_path):
+    marks = tmp_path / "marks"
+    streams = _streams({"train_p1": _marked_stream(ray_local, marks)})
+    try:
+        assert streams.open_ahead(1, samples_seen=96)
+        assert streams.opened_at == {1: 96}
+        assert not streams.open_ahead(1, samples_seen=100)  # opened once
+        stream = streams.take(1)
+        # Nobody has asked the stream for a batch: its loader thread pulled one through Ray Data on its own.
+        assert stream.first_ready.wait(timeout=120), "the stream opened ahead produced no batch"
+        assert list(marks.iterdir()), "no map task ran"
+        ids = np.concatenate([b["sample_id"] for b in stream])
+        assert ids.tolist() == list(range(ROWS))  # every row once, in order
+        stream.close()
+    finally:
+        streams.close()
+
+
+@pytest.mark.parametrize("switches, why", [
+    ({"ahead": False}, "scaling.stream_ahead=false"),
+    ({"device_prefetch": False}, "scaling.device_prefetch=false"),
+    ({"probe_first": True}, "rank 0 times decode on its device"),
+])
+def test_with_stream_ahead_off_a_stream_starts_at_its_first_step_and_the_unit_says_why(ray_local, tmp_path,
+                                                                                       switches, why):
+    streams = _streams({"train_p0": _marked_stream(ray_local, tmp_path / "marks")}, **switches)
+    assert not streams.ahead and why in streams.describe()
+    assert not streams.open_ahead(0, samples_seen=0) and streams.opened_at == {}
+    stream = streams.take(0)
+    assert not stream.started  # no loader thread until the first step asks
+    first = next(stream)
+    assert first["sample_id"].tolist() == list(range(PER_STEP))
+    stream.close()
+
+
+def test_the_run_opens_each_phase_stream_before_the_phase_and_the_next_one_at_its_last_epoch(finished_run):
+    recs = records(finished_run)
+    [unit] = [r for r in recs if r.get("unit") == "stream_ahead"]
+    assert unit["enabled"], unit
+    opened = {r["phase"]: r["stream_opened_at"] for r in recs if r.get("unit") == "progressive_resize"}
+    schedule = json.loads((finished_run / "schedule.json").read_text())
+    ends = {int(r["epoch"]): int(r["samples_seen"]) for r in recs if "val_top1" in r and "event" not in r}
+    # The first phase while the model was built (at 0 samples); each later one at the start of the last epoch of
+    # the phase before it, i.e. where the validation before that epoch left the run.
+    expected = {0: 0}
+    for k, ph in enumerate(schedule["phases"][:-1]):
+        last_epoch = ph["end_epoch"] - 1
+        expected[k + 1] = ends[last_epoch] if last_epoch > 0 else 0
+    assert opened == expected, (opened, expected, NAME)
