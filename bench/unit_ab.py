@@ -1,13 +1,13 @@
-"""One speed-up unit on against off: the same lightray run, side by side, with the unit switched by config keys.
+"""A speed-up unit switched: the same lightray run as shipped and with config keys changed, side by side.
 
-    python -m bench.unit_ab --set scaling.stream_ahead=false [--pairs 3] [--quick]
+    python -m bench.unit_ab --set scaling.stream_ahead=true [--pairs 3] [--quick]
 
-Each pair runs the recipe (the demo's by default) twice with the same seed, once as shipped and once with the
-``--set`` keys, in an order that alternates between pairs (a load drift then favours each side as often). The
+Each pair runs the demo recipe twice with the same seed, once as shipped and once with the ``--set`` keys
+(the "changed" side), in an order that alternates between pairs (a load drift then favours each side as often). The
 same seed gives both sides the same samples in the same order, so both reach each target at the same epoch
 unless the unit changes what is learned (the line says when the epochs differ).
 
-Ratios are "off seconds over on seconds" per pair: above 1 the unit as shipped is faster. Judged with
+Ratios are "changed seconds over shipped seconds" per pair: above 1 the shipped setting is faster. Judged with
 :func:`bench.common.resolved_ratio` (a spread wider than the gap from 1 is unresolved):
 - ``train_s.<target>``: training seconds to the target (``elapsed_s``, the run's own clock from its first step);
 - ``wall_s.<target>``: seconds from the launch to the validation that reached it (start-up included);
@@ -53,15 +53,16 @@ def run_side(storage: str, overrides: dict[str, Any], targets: list[float], seed
     return res
 
 
-def pair_ratios(on: list[dict[str, Any]], off: list[dict[str, Any]], targets: list[float]) -> dict[str, Any]:
-    """Off over on, per pair, for every figure of the module docstring."""
+def pair_ratios(shipped: list[dict[str, Any]], changed: list[dict[str, Any]], targets: list[float]
+                ) -> dict[str, Any]:
+    """Changed over shipped seconds, per pair, for every figure of the module docstring."""
     out: dict[str, Any] = {}
     for key in ("train_s", "wall_s"):
         for t in targets:
             out[f"{key}.{t:g}"] = resolved_ratio([ratio(b["by_target"][f"{t:g}"][key], a["by_target"][f"{t:g}"][key])
-                                                  for a, b in zip(on, off)])
+                                                  for a, b in zip(shipped, changed)])
     for key in ("first_step_s", "total_wall_s"):
-        out[key] = resolved_ratio([ratio(b[key], a[key]) for a, b in zip(on, off)])
+        out[key] = resolved_ratio([ratio(b[key], a[key]) for a, b in zip(shipped, changed)])
     return out
 
 
@@ -79,8 +80,8 @@ def side_figures(runs: list[dict[str, Any]], targets: list[float]) -> dict[str, 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--set", dest="sets", action="append", required=True, metavar="KEY=VALUE",
-                   help="a config key of the 'off' side (repeat for several)")
-    p.add_argument("--pairs", type=int, default=3, help="on/off pairs, seeds seed..seed+pairs-1 (default 3)")
+                   help="a config key of the changed side (repeat for several)")
+    p.add_argument("--pairs", type=int, default=3, help="shipped/changed pairs, seeds seed..seed+pairs-1 (default 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target", type=float, nargs="+", default=[0.5, 0.8], help="top-1 targets (default 0.5 0.8)")
     p.add_argument("--storage", default=DEFAULT_STORAGE, help="lightray storage; its cache/ holds the demo set")
@@ -90,28 +91,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    off_keys = parse_set(args.sets)
+    changed_keys = parse_set(args.sets)
     base = quick_overrides() if args.quick else {}
     pairs = 1 if args.quick else args.pairs
     targets = sorted(args.target)
     demo_tree(args.storage, base)  # written once, before any timed run
-    on: list[dict[str, Any]] = []
-    off: list[dict[str, Any]] = []
+    shipped: list[dict[str, Any]] = []
+    changed: list[dict[str, Any]] = []
     loads = []
     for k in range(pairs):
         seed = args.seed + k
         loads.append(load_avg())
-        for side in (("on", "off") if k % 2 == 0 else ("off", "on")):
+        for side in (("shipped", "changed") if k % 2 == 0 else ("changed", "shipped")):
             note(f"pair {k + 1}/{pairs}: {side} (seed {seed}, load {load_avg()})")
-            runs, keys = (on, {}) if side == "on" else (off, off_keys)
+            runs, keys = (shipped, {}) if side == "shipped" else (changed, changed_keys)
             runs.append(run_side(args.storage, {**base, **keys}, targets, seed))
     figures = {"recipe": "demo", "quick": args.quick, "pairs": pairs,
-               "seeds": list(range(args.seed, args.seed + pairs)), "off": off_keys, "targets": targets,
+               "seeds": list(range(args.seed, args.seed + pairs)), "changed": changed_keys, "targets": targets,
                "load_1m_at_pair_start": loads,
-               "on_side": side_figures(on, targets), "off_side": side_figures(off, targets),
+               "shipped_side": side_figures(shipped, targets), "changed_side": side_figures(changed, targets),
                "same_epochs": all(a["by_target"][f"{t:g}"]["epochs"] == b["by_target"][f"{t:g}"]["epochs"]
-                                  for a, b in zip(on, off) for t in targets)}
-    emit("unit_ab", figures, {"off_over_on": pair_ratios(on, off, targets)},
+                                  for a, b in zip(shipped, changed) for t in targets)}
+    emit("unit_ab", figures, {"changed_over_shipped": pair_ratios(shipped, changed, targets)},
          {"cores": os.cpu_count(), "python": sys.version.split()[0]})
     return 0
 

@@ -216,16 +216,16 @@ def test_unit_ab_reads_config_values_as_yaml_and_names_a_bad_one():
         parse_set(["scaling.stream_ahead"])
 
 
-def test_unit_ab_ratios_are_off_over_on_seconds_per_pair():
+def test_unit_ab_ratios_are_changed_over_shipped_seconds_per_pair():
     from bench.unit_ab import pair_ratios
 
     def run(t: float, first: float, total: float) -> dict:
         return {"by_target": {"0.8": {"train_s": t, "wall_s": t + first}}, "first_step_s": first,
                 "total_wall_s": total}
 
-    on = [run(10.0, 20.0, 60.0), run(10.0, 22.0, 64.0)]
-    off = [run(12.0, 20.0, 66.0), run(13.0, 24.2, 64.0)]
-    r = pair_ratios(on, off, [0.8])
+    shipped = [run(10.0, 20.0, 60.0), run(10.0, 22.0, 64.0)]
+    changed = [run(12.0, 20.0, 66.0), run(13.0, 24.2, 64.0)]
+    r = pair_ratios(shipped, changed, [0.8])
     assert r["train_s.0.8"]["runs"] == [1.2, 1.3] and r["train_s.0.8"]["resolved"] is True
     assert r["wall_s.0.8"]["runs"] == [pytest.approx(32 / 30, abs=1e-4), pytest.approx(37.2 / 32, abs=1e-4)]
     assert r["first_step_s"]["runs"] == [1.0, 1.1] and r["first_step_s"]["resolved"] is False
