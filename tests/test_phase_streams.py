@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import pathlib
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -72,6 +74,27 @@ def test_with_stream_ahead_off_a_stream_starts_at_its_first_step_and_the_unit_sa
     first = next(stream)
     assert first["sample_id"].tolist() == list(range(PER_STEP))
     stream.close()
+
+
+def _ray_data_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith(("StreamingExecutor", "iter_threaded"))}
+
+
+def test_closing_a_stream_part_read_ends_its_ray_data_execution(ray_local):
+    """A stopped run, or a stream opened ahead and never taken: closing it must end Ray Data's execution in this
+    process, whose executor and prefetch threads otherwise run on (and a later fork copies them mid-use)."""
+    before = _ray_data_threads()
+    ds = ray_local.data.range(4000, override_num_blocks=40).map_batches(
+        lambda b: {"image": np.zeros((len(b["id"]), 4, 4, 3), np.uint8), "label": b["id"] % 3,
+                   "epoch": np.zeros(len(b["id"]), np.int64)}, batch_size=None)
+    stream = _streams({"train_p0": ds.iterator()}, ahead=False).take(0)
+    next(stream)
+    assert _ray_data_threads() - before, "the execution was expected to run on in this process"
+    stream.close()
+    deadline = time.monotonic() + 60
+    while _ray_data_threads() - before and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling the condition, with a deadline: the executor's own thread ends after close
+    assert not _ray_data_threads() - before, sorted(t.name for t in _ray_data_threads() - before)
 
 
 def test_the_run_opens_each_phase_stream_before_the_phase_and_the_next_one_at_its_last_epoch(finished_run):

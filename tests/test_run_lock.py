@@ -105,7 +105,10 @@ def test_drivers_started_at_the_same_instant_leave_exactly_one_holder(where, tmp
     import multiprocessing
 
     base = str(tmp_path) if where == "local" else request.getfixturevalue("s3_storage")
-    ctx = multiprocessing.get_context("fork")  # separate processes, as separate drivers are
+    # Separate interpreters, as separate drivers are. Not forks of this one: a pytest worker may hold Ray's threads
+    # (the session cluster, a Ray Data execution), and a fork copies their locks mid-use (a CI run's forked
+    # contender died of SIGSEGV in Ray's signal handler, 2026-12-06).
+    ctx = multiprocessing.get_context("spawn")
     for round_ in range(3):
         run_dir = storage.join(base, f"race{round_}")
         barrier, results, release = ctx.Barrier(5), ctx.Queue(), ctx.Event()

@@ -166,3 +166,10 @@ class DevicePrefetcher:
                 break
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self._thread is None or not self._thread.is_alive():
+            # Ends the source's own work as well: Ray Data's iterator (a generator) shuts its execution down when
+            # closed, where left alone its executor and prefetch threads run on in this process (a stopped run, a
+            # stream opened ahead and never taken). Not while the loader thread may still be inside it.
+            close = getattr(self.source, "close", None)
+            if close is not None:
+                close()
