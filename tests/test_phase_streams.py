@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from lightray.train.phase_streams import PhaseStreams
+from lightray.train.prefetch import DevicePrefetcher
 from tests.faults import records
 from tests.finished_run import NAME
 
@@ -95,6 +96,21 @@ def test_closing_a_stream_part_read_ends_its_ray_data_execution(ray_local):
     while _ray_data_threads() - before and time.monotonic() < deadline:
         time.sleep(0.05)  # polling the condition, with a deadline: the executor's own thread ends after close
     assert not _ray_data_threads() - before, sorted(t.name for t in _ray_data_threads() - before)
+
+
+def test_a_source_whose_shutdown_fails_is_logged_and_does_not_replace_the_phases_own_error(caplog):
+    def source():
+        try:
+            while True:
+                yield {"image": np.zeros((2, 4, 4, 3), np.uint8), "label": np.zeros(2, np.int64)}
+        finally:
+            raise RuntimeError("the cluster went away during shutdown")
+
+    stream = DevicePrefetcher(source(), torch.device("cpu"))
+    next(stream)
+    with caplog.at_level("WARNING", logger="lightray.train.prefetch"):
+        stream.close()  # called from run_phase's finally: raising here would hide the error that ended the phase
+    assert "the cluster went away during shutdown" in caplog.text
 
 
 def test_the_run_opens_each_phase_stream_before_the_phase_and_the_next_one_at_its_last_epoch(finished_run):

@@ -16,6 +16,7 @@ copy: the arrays become tensors over the same memory and the thread only keeps t
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Iterator
@@ -25,6 +26,8 @@ import numpy as np
 import torch
 
 DEVICE_KEYS = ("image", "label", "box", "flip")
+
+log = logging.getLogger(__name__)
 
 _END = object()
 
@@ -172,4 +175,8 @@ class DevicePrefetcher:
             # stream opened ahead and never taken). Not while the loader thread may still be inside it.
             close = getattr(self.source, "close", None)
             if close is not None:
-                close()
+                try:
+                    close()
+                except Exception as exc:  # noqa: BLE001 - cleanup: a failing shutdown must not replace the error
+                    # that ended the phase (a lost node, a collective timeout), which the driver classifies
+                    log.warning("closing the data stream's source failed: %s: %s", type(exc).__name__, exc)
