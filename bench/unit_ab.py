@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from bench.common import emit, load_avg, note, ratio, read_jsonl, resolved_ratio, spread
-from bench.time_to_accuracy import DEFAULT_STORAGE, demo_tree, quick_overrides, run_lightray
+from bench.time_to_accuracy import DEFAULT_STORAGE, demo_tree, quick_overrides, run_lightray, summarize_side
 
 
 def parse_set(items: list[str]) -> dict[str, Any]:
@@ -67,14 +67,9 @@ def pair_ratios(shipped: list[dict[str, Any]], changed: list[dict[str, Any]], ta
 
 
 def side_figures(runs: list[dict[str, Any]], targets: list[float]) -> dict[str, Any]:
-    return {"train_s_to_target": {f"{t:g}": spread([r["by_target"][f"{t:g}"]["train_s"] for r in runs])
-                                  for t in targets},
-            "wall_s_to_target": {f"{t:g}": spread([r["by_target"][f"{t:g}"]["wall_s"] for r in runs])
-                                 for t in targets},
-            "epochs_to_target": {f"{t:g}": [r["by_target"][f"{t:g}"]["epochs"] for r in runs] for t in targets},
-            "first_step_s": spread([r["first_step_s"] for r in runs]),
-            "total_wall_s": spread([r["total_wall_s"] for r in runs]),
-            "best_top1": spread([r["best_top1"] for r in runs]), "run_dirs": [r["run_dir"] for r in runs]}
+    """One side's figures as the time-to-accuracy bench gives them, with the first step and the run folders."""
+    return {**summarize_side(runs, targets), "first_step_s": spread([r["first_step_s"] for r in runs]),
+            "run_dirs": [r["run_dir"] for r in runs]}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -50,9 +50,12 @@ def test_a_stream_opened_ahead_is_read_before_its_first_step_asks(ray_local, tmp
         assert streams.opened_at == {1: 96}
         assert not streams.open_ahead(1, samples_seen=100)  # opened once
         stream = streams.take(1)
-        # Nobody has asked the stream for a batch: its loader thread pulled one through Ray Data on its own.
-        assert stream.first_ready.wait(timeout=120), "the stream opened ahead produced no batch"
-        assert list(marks.iterdir()), "no map task ran"
+        # Nobody has asked the stream for a batch: its loader thread pulled through Ray Data on its own, whose map
+        # task ran (a Ray Data execution starts only when its iterator is read).
+        deadline = time.monotonic() + 120
+        while not list(marks.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling the condition, with a deadline
+        assert list(marks.iterdir()), "the stream opened ahead ran no map task"
         ids = np.concatenate([b["sample_id"] for b in stream])
         assert ids.tolist() == list(range(ROWS))  # every row once, in order
         stream.close()

@@ -12,7 +12,7 @@ loader thread (:class:`~lightray.train.prefetch.DevicePrefetcher`) has asked for
 runs ahead by as much as its own back-pressure lets it (``prefetch_batches`` and its output budget), no further.
 
 Why off by default: on this project's 2-CPU machine it did not pay (``python -m bench.unit_ab --set
-scaling.stream_ahead=false``, docs/BENCHMARKS.md). There the start is CPU work on the cores the step uses
+scaling.stream_ahead=true``, docs/BENCHMARKS.md). There the start is CPU work on the cores the step uses
 (worker processes importing, the phase's map tasks running ahead, the executor's thread in the training
 process), so opening it early moves that work without freeing any, and the first phase's, moved into the
 model's build, made the first step later. It is meant for nodes whose data CPUs are not the training device (a

@@ -66,7 +66,6 @@ class DevicePrefetcher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._done = False
-        self.first_ready = threading.Event()  # set once the loader thread holds a batch (or the end) for the step
 
     @staticmethod
     def describe(device: torch.device, enabled: bool) -> str:
@@ -152,7 +151,6 @@ class DevicePrefetcher:
         while not self._stop.is_set():
             try:
                 self._queue.put(item, timeout=0.1)
-                self.first_ready.set()
                 return True
             except queue.Full:
                 continue

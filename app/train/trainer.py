@@ -192,12 +192,12 @@ class Trainer:
         self.t_start = time.time()
         self.device = dev.select_device()
         self.sched = Schedule(cfg.schedule, cfg.optim, spec.train_size)
-        # The stream of the phase this start begins in starts while the model and DDP are built (a collective
-        # and seconds of work); unless rank 0 must time decode on its device before any rank asks for data.
+        # With scaling.stream_ahead on, the stream of the phase this start begins in starts while the model and
+        # DDP are built (a collective and seconds of work); off, nothing is read here (resume.json is restore's).
         self.streams = PhaseStreams(lambda name: self.ctx.dataset_shard(name), self._rank_rows,
                                     spec.prefetch_batches, self.device, device_prefetch=cfg.scaling.device_prefetch,
                                     ahead=cfg.scaling.stream_ahead, probe_first=bool(start_decode.needs_probe(spec)))
-        if ctx is not None:
+        if ctx is not None and self.streams.ahead:
             resumed_at = read_recorded_resume(run_dir).samples_seen
             first = self._next_phase(resumed_at)
             if first is not None:
@@ -350,9 +350,7 @@ class Trainer:
             return
         pos = self.sched.locate(self.counters.samples_seen)
         self.window = _new_window()
-        for phase_idx in range(pos.phase_index, len(self.cfg.schedule.phases)):
-            if self.spec.phases[phase_idx].end_epoch <= self.spec.phases[phase_idx].first_epoch:
-                continue  # the budget left this phase no epochs
+        for phase_idx in self._phases_with_epochs(pos.phase_index):
             self.run_phase(phase_idx, pos)
             if self.stopped:
                 self.report({"event": "stopped", "samples_seen": self.counters.samples_seen,
@@ -379,21 +377,24 @@ class Trainer:
         lo, hi = rank_slice(self.cfg.schedule.phases[phase_idx].batch_size, self.world, self.rank)
         return hi - lo
 
+    def _phases_with_epochs(self, first: int) -> list[int]:
+        """The phases from ``first`` on that have epochs to train (the budget can leave a phase none)."""
+        return [i for i in range(first, len(self.spec.phases))
+                if self.spec.phases[i].end_epoch > self.spec.phases[i].first_epoch]
+
     def _next_phase(self, samples_seen: int, after: int = -1) -> int | None:
         """The first phase after ``after`` with epochs left to train from ``samples_seen`` (None when none)."""
         if samples_seen >= self.sched.total_samples:
             return None
-        start = max(self.sched.locate(samples_seen).phase_index, after + 1)
-        return next((i for i in range(start, len(self.spec.phases))
-                     if self.spec.phases[i].end_epoch > self.spec.phases[i].first_epoch), None)
+        return next(iter(self._phases_with_epochs(max(self.sched.locate(samples_seen).phase_index, after + 1))), None)
 
     def phase_run(self, phase_idx: int) -> PhaseRun:
         """The phase's PhaseRun, with its micro-steps agreed across ranks (a collective: every rank calls it at
         the start of the phase); reports the ``accumulation`` unit."""
         phase = self.cfg.schedule.phases[phase_idx]
-        lo, hi = rank_slice(phase.batch_size, self.world, self.rank)
         cap, how = accumulate.resolve_cap(self.cfg.scaling.max_batch_per_device, self.model, phase.resolution,
-                                          self.device, self.precision, self.cfg.model.channels_last, hi - lo)
+                                          self.device, self.precision, self.cfg.model.channels_last,
+                                          self._rank_rows(phase_idx))
         agreed = accumulate.agree_cap(cap, self.device)
         if agreed != cap:
             how += f"; {agreed} agreed: the smallest of any rank"
