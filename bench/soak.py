@@ -444,7 +444,8 @@ def soak_on_a_fresh_stack(plan: list[str], seed: int, work: pathlib.Path, progre
     import pyarrow.fs as pafs
 
     from tests.imds_server import ImdsServer
-    from tests.s3_relay import S3Relay, free_port
+    from tests.ports import free_port
+    from tests.s3_relay import S3Relay
     from tests.s3_server import LocalS3Server
 
     fcm = fake_cluster_module()

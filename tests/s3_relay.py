@@ -11,12 +11,6 @@ import threading
 import time
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _close(sock: socket.socket, reset: bool = False) -> None:
     """Close a relayed connection, waking a relay thread blocked reading it; ``reset``: with an RST, as a
     vanished server drops it, not an orderly close."""

@@ -232,6 +232,33 @@ def test_unit_ab_ratios_are_changed_over_shipped_seconds_per_pair():
     assert r["total_wall_s"]["runs"] == [1.1, 1.0] and r["total_wall_s"]["resolved"] is False
 
 
+def test_first_batch_parts_split_the_wait_and_tell_fresh_data_workers_from_reused_ones():
+    from bench.first_batch import first_batch_parts
+
+    def span(tid: str, t: float, dur: float, name: str, cat: str) -> dict:
+        return {"ph": "X", "tid": tid, "ts": t * 1e6, "dur": dur * 1e6, "name": name, "cat": cat}
+
+    map_cat = "task::MapBatches(train_block_batch)"
+    timeline = [
+        span("worker:old", 50.0, 1.0, "lightray.data.shard_cache._decode_task", "task::_decode_task"),
+        span("worker:mgr", 96.0, 0.02, "get_dataset_shard", "task::DatasetManager.get_dataset_shard"),
+        span("worker:mgr", 96.1, 0.02, "get_dataset_shard", "task::DatasetManager.get_dataset_shard"),
+        span("worker:new", 98.5, 0.6, "_map_task", map_cat),
+        span("worker:new", 98.5, 0.1, "task:deserialize_arguments", "task:deserialize_arguments"),
+        span("worker:old", 98.7, 0.5, "_map_task", map_cat),
+        span("worker:new", 99.2, 0.2, "_map_task", map_cat),
+        span("worker:new", 105.0, 0.2, "_map_task", map_cat),  # after the first step: not part of its wait
+    ]
+    parts = first_batch_parts(timeline, first_step_t=100.0)
+    assert parts == {"request_s": -4.0, "first_task_start_s": -1.5, "first_task_s": 0.6,
+                     "request_to_first_task_s": 2.5, "first_task_end_to_step_s": 0.9, "tasks_before_step": 3,
+                     "data_workers": 2, "fresh_workers": 1}
+    with pytest.raises(ValueError, match="no get_dataset_shard call before the first step"):
+        first_batch_parts(timeline[3:], first_step_t=100.0)
+    with pytest.raises(ValueError, match="no train_block_batch map task"):
+        first_batch_parts(timeline[:3], first_step_t=100.0)
+
+
 def test_example_sweep_prefers_more_targets_then_the_sooner_then_the_better_top1():
     from bench.time_to_accuracy import _example_rank
 

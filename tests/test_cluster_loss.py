@@ -24,12 +24,7 @@ import pytest
 from bench.common import stop_processes
 from lightray.driver.cluster_loss import EXIT_CLUSTER_LOST, ClusterWatch, gcs_reachable, resume_command
 from tests.faults import checkpoints, driver, kill_group, last_samples, long_run, wait_for
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ports import free_port
 
 
 def _named(proc: psutil.Process, name: str) -> bool:
@@ -44,7 +39,7 @@ class HeadCluster:
     """``ray start --head --block`` in its own session and temp dir; ``stop()`` ends all its processes."""
 
     def __init__(self, tmp: pathlib.Path):
-        self.port = _free_port()
+        self.port = free_port()
         self.temp_dir = pathlib.Path(f"/tmp/lr-head-{self.port}")  # short: Ray's socket paths have a length cap
         self.log = open(tmp / "head.log", "w")
         self.proc = subprocess.Popen(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ import time
 import pytest
 
 from lightray.config import load_config
+from tests.ports import free_port
 
 ROOT = pathlib.Path(__file__).parents[1]
 
@@ -32,12 +32,6 @@ def test_the_configured_timeout_is_the_trainers_torch_config(tmp_path):
     assert isinstance(trainer.backend_config, TorchConfig)
     assert trainer.backend_config.timeout_s == 7
     assert load_config("smoke").scaling.collective_timeout_s == 300  # short by default, not torch's 30 min
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Rank 0 calls all_reduce; rank 1 joins the group but never calls it (a hung peer), sleeping far longer.
@@ -62,7 +56,7 @@ RANK = textwrap.dedent("""
 
 
 def test_a_collective_with_a_hung_peer_fails_within_the_timeout():
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(port), "2"], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     try:

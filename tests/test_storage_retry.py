@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import pickle
-import socket
 import threading
 import time
 
@@ -14,14 +13,9 @@ import pytest
 from lightray import storage
 from lightray.storage_retry import with_retry
 from tests.conftest import S3_ENV
+from tests.ports import free_port
 
 OUTAGE_S = 8.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -30,7 +24,7 @@ def restartable_s3(monkeypatch):
     moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed")
     for k, v in S3_ENV.items():
         monkeypatch.setenv(k, v)
-    port = _free_port()
+    port = free_port()
     box = {"server": moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)}
     box["server"].start()
 

@@ -14,7 +14,6 @@ import os
 import pathlib
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,14 +27,9 @@ import requests
 from bench.common import stop_processes
 from lightray.driver.cluster_loss import gcs_reachable
 from tests.faults import wait_for
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.shares_cpu]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +37,7 @@ def token_cluster(tmp_path_factory):
     """(GCS address, dashboard URL, token) of a head started with RAY_AUTH_MODE=token."""
     tmp = tmp_path_factory.mktemp("token-cluster")
     token = secrets.token_hex(32)
-    port, dash = _free_port(), _free_port()
+    port, dash = free_port(), free_port()
     temp_dir = pathlib.Path(f"/tmp/lr-auth-{port}")  # short: Ray's socket paths have a length cap
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
     env.pop("RAY_ADDRESS", None)
@@ -51,7 +45,7 @@ def token_cluster(tmp_path_factory):
     head = subprocess.Popen(
         ["ray", "start", "--head", f"--port={port}", "--num-cpus=1", f"--temp-dir={temp_dir}",
          "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-         f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
+         f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
          "--disable-usage-stats", "--block"],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{dash}"

@@ -18,7 +18,6 @@ import pathlib
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -28,15 +27,11 @@ from typing import Any
 import psutil
 import yaml
 
+from tests.ports import free_port
+
 HERE = pathlib.Path(__file__).resolve().parent
 FAKE_CONFIG = HERE / "fake-cluster.yaml"
 PRICE_LABEL = "lightray-price-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def process_table() -> dict[int, tuple[int, str]]:
