@@ -17,21 +17,22 @@ relative to the first step (negative: before it):
   tasks (the shard cache's decode, the calibration) ran in them, so their start and imports came with this stream
   (unless Ray had started them idle ahead, which the timeline cannot show).
 
-Each figure is given over the repeats (median, min, max). Runs go to ``--storage``; the timeline of each is
-kept beside its run folder (``<run>/../<name>.timeline.json``).
+Each run is ``bench.time_to_accuracy``'s lightray side (the demo recipe as shipped, a fresh local cluster). Each
+figure is given over the repeats (median, min, max). Runs and their timelines
+(``first-batch-<time>-<pid>-s<seed>.timeline.json``) go to ``--storage``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
+import time
 from typing import Any
 
 from bench.common import emit, load_avg, note, read_jsonl, spread
-from bench.time_to_accuracy import DEFAULT_STORAGE, demo_tree, quick_overrides
+from bench.time_to_accuracy import DEFAULT_STORAGE, demo_tree, quick_overrides, run_lightray
 from bench.unit_ab import parse_set
 
 MAP_FN = "train_block_batch"  # the training map function (lightray.data.ingest): its tasks carry it in their name
@@ -69,28 +70,19 @@ def first_batch_parts(timeline: list[dict[str, Any]], first_step_t: float) -> di
             "fresh_workers": sum(first_seen[w] >= request for w in workers)}
 
 
-def run_once(storage: str, overrides: dict[str, Any], seed: int, name: str) -> dict[str, Any]:
+def run_once(storage: str, overrides: dict[str, Any], seed: int) -> dict[str, Any]:
+    """One demo run (the time-to-accuracy bench's ``run_lightray``), its timeline dumped before Ray shuts down."""
     import ray
 
-    from lightray.config import load_config
-    from lightray.driver.runner import run_training
-
-    cfg = load_config("demo", {"storage": storage, "name": name, "scaling.ray_address": "local",
-                               "scaling.seed": seed, **overrides})
-    trace = os.path.join(storage, f"{name}.timeline.json")
-    with contextlib.redirect_stdout(sys.stderr):  # Ray's forwarded output stays off the JSON line
-        try:
-            run_training(cfg, progress=False, stream=sys.stderr)
-            ray.timeline(filename=trace)
-        finally:
-            ray.shutdown()
-    events = read_jsonl(os.path.join(storage, name, "metrics.jsonl"))
+    trace = os.path.join(storage, f"first-batch-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-s{seed}.timeline.json")
+    run = run_lightray(storage, overrides, [0.8], seed, before_shutdown=lambda: ray.timeline(filename=trace))
+    events = read_jsonl(os.path.join(run["run_dir"], "metrics.jsonl"))
     step = next((e for e in events if e.get("event") == "first_step"), None)
     if step is None:
-        raise RuntimeError(f"run {storage}/{name}: no first_step event in metrics.jsonl")
+        raise RuntimeError(f"run {run['run_dir']}: no first_step event in metrics.jsonl")
     with open(trace) as f:
         parts = first_batch_parts(json.load(f), float(step["time"]))
-    return {"data_wait_s": round(float(step["data_wait_s"]), 3), **parts, "run_dir": os.path.join(storage, name)}
+    return {"data_wait_s": round(float(step["data_wait_s"]), 3), **parts, "run_dir": run["run_dir"]}
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -110,8 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import time
-
     args = build_parser().parse_args(argv)
     overrides = {**(quick_overrides() if args.quick else {}), **parse_set(args.sets)}
     repeats = 1 if args.quick else args.repeats
@@ -120,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     for k in range(repeats):
         loads.append(load_avg())
         note(f"run {k + 1}/{repeats} (seed {args.seed + k}, load {loads[-1]})")
-        name = f"first-batch-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-s{args.seed + k}"
-        runs.append(run_once(args.storage, overrides, args.seed + k, name))
+        runs.append(run_once(args.storage, overrides, args.seed + k))
     emit("first_batch", {"recipe": "demo", "quick": args.quick, "repeats": repeats, "overrides": overrides,
                          "load_1m_at_run_start": loads, "summary": summarize(runs), "runs": runs}, {},
          {"cores": os.cpu_count(), "python": sys.version.split()[0]})

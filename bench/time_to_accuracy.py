@@ -80,6 +80,7 @@ import dataclasses
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -325,7 +326,8 @@ def _example_rank(res: dict[str, Any], targets: list[float]) -> tuple:
 
 # --- (c) lightray's demo recipe ---------------------------------------------------------------------
 def run_lightray(storage: str, overrides: dict[str, Any], targets: list[float], seed: int,
-                 recipe: str = "demo") -> dict[str, Any]:
+                 recipe: str = "demo", before_shutdown: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """``before_shutdown``: called after the run while its Ray cluster is still up (a bench reading Ray's state)."""
     import ray
 
     from lightray.config import load_config
@@ -339,6 +341,8 @@ def run_lightray(storage: str, overrides: dict[str, Any], targets: list[float], 
     with contextlib.redirect_stdout(sys.stderr):
         try:
             run_training(cfg, progress=False, stream=sys.stderr)
+            if before_shutdown is not None:
+                before_shutdown()
         finally:
             ray.shutdown()
     total = time.perf_counter() - t0

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import pathlib
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ import torch
 
 from lightray.train.phase_streams import PhaseStreams
 from lightray.train.prefetch import DevicePrefetcher
-from tests.faults import records
+from tests.faults import records, wait_for
 from tests.finished_run import NAME
 
 ROWS, PER_STEP = 12, 4
@@ -52,10 +51,7 @@ def test_a_stream_opened_ahead_is_read_before_its_first_step_asks(ray_local, tmp
         stream = streams.take(1)
         # Nobody has asked the stream for a batch: its loader thread pulled through Ray Data on its own, whose map
         # task ran (a Ray Data execution starts only when its iterator is read).
-        deadline = time.monotonic() + 120
-        while not list(marks.iterdir()) and time.monotonic() < deadline:
-            time.sleep(0.05)  # polling the condition, with a deadline
-        assert list(marks.iterdir()), "the stream opened ahead ran no map task"
+        wait_for(lambda: list(marks.iterdir()), 120, "a map task of the stream opened ahead", interval=0.05)
         ids = np.concatenate([b["sample_id"] for b in stream])
         assert ids.tolist() == list(range(ROWS))  # every row once, in order
         stream.close()
@@ -95,10 +91,9 @@ def test_closing_a_stream_part_read_ends_its_ray_data_execution(ray_local):
     next(stream)
     assert _ray_data_threads() - before, "the execution was expected to run on in this process"
     stream.close()
-    deadline = time.monotonic() + 60
-    while _ray_data_threads() - before and time.monotonic() < deadline:
-        time.sleep(0.05)  # polling the condition, with a deadline: the executor's own thread ends after close
-    assert not _ray_data_threads() - before, sorted(t.name for t in _ray_data_threads() - before)
+    # The executor's own thread ends a moment after close: the condition is polled, with a deadline.
+    wait_for(lambda: not _ray_data_threads() - before, 60, "the closed stream's Ray Data threads to end",
+             interval=0.05)
 
 
 def test_a_source_whose_shutdown_fails_is_logged_and_does_not_replace_the_phases_own_error(caplog):
