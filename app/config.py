@@ -331,6 +331,11 @@ class ScalingConfig:
     # worker/node failures tolerated (preemptions with notice are not counted)
     max_failures: Annotated[Int, Range(-1, 10**6)] = 10
     resize_check_s: Annotated[Float, Range(0.1, 10**6)] = 60.0  # how often an elastic run looks for more nodes
+    # How long an elastic run's new worker group waits for its placement before Ray Train sizes it again from the
+    # machines then up. Ray counts a machine draining for a spot notice until it is gone, so the group that
+    # restarts after the notice's checkpoint is sized onto it and waits this long (Ray's default: 60 s). A
+    # fixed-size run keeps Ray's default: it waits for the autoscaler.
+    elastic_start_timeout_s: Annotated[Float, Range(1.0, 86400)] = 20.0
     # extra per-worker resources, e.g. {GPU_node: 1}
     worker_resources: Annotated[dict[str, Float], BeforeValidator(_yaml_mapping)] = field(default_factory=dict)
     seed: Int = 0

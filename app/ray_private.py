@@ -159,6 +159,8 @@ def _probes() -> dict[str, object]:
         "ray._raylet.PlacementGroupID, ending with its job's id": _probe_placement_group_id,
         f"ray.train.v2's WorkerHealthCheckTimeoutError and {HEALTH_CHECK_TIMEOUT_ENV} (a hung lone worker would "
         "be charged to scaling.max_failures)": _probe_health_check_timeout,
+        f"ray.train.v2's {START_TIMEOUT_ENV}, handed from the driver to the controller (an elastic run's group "
+        "restarting after a spot notice would wait a minute for its draining machine)": _probe_start_timeout,
         f"ray.data's autoscaling coordinator named {AUTOSCALING_COORDINATOR} with cancel_request(requester_id) "
         "(a killed driver's bookings would hold its run back 3 minutes)": _probe_coordinator,
     }
@@ -235,6 +237,9 @@ def worker_group_nodes(worker_group) -> dict[int, str]:
 
 
 HEALTH_CHECK_TIMEOUT_ENV = "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"
+# How long Ray Train waits for a new worker group's placement group before it decides the group's size again;
+# the driver sets it and Ray Train hands it on to its controller (ENV_VARS_TO_PROPAGATE).
+START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 
 
 def health_check_timed_out(error: Exception) -> bool:
@@ -252,6 +257,13 @@ def _probe_health_check_timeout() -> bool:
 
     return constants.WORKER_HEALTH_CHECK_TIMEOUT_S_ENV_VAR == HEALTH_CHECK_TIMEOUT_ENV and \
         health_check_timed_out(WorkerHealthCheckTimeoutError("probe"))
+
+
+def _probe_start_timeout() -> bool:
+    from ray.train.v2._internal import constants
+
+    return constants.WORKER_GROUP_START_TIMEOUT_S_ENV_VAR == START_TIMEOUT_ENV and \
+        START_TIMEOUT_ENV in constants.ENV_VARS_TO_PROPAGATE
 
 
 def worker_group_actors(worker_group) -> dict[int, Any]:

@@ -150,3 +150,16 @@ def test_a_saved_config_loads_back_as_a_recipe(tmp_path):
     path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     again = load_config(str(path))
     assert again.to_dict() == cfg.to_dict()
+
+
+def test_an_elastic_run_resizes_a_stuck_worker_group_start_after_its_own_timeout_and_a_fixed_one_keeps_rays():
+    """Ray Train sizes the group restarting after a spot notice onto the draining machine, then waits for that
+    placement group for its start timeout (60 s by default) before it sizes the group again; an elastic run
+    shortens that wait. A fixed-size run waits for the autoscaler and keeps Ray's default."""
+    from lightray import ray_private
+    from lightray.driver.runner import train_env
+
+    elastic = train_env(load_config("smoke", {"scaling.workers": "1:2", "scaling.elastic_start_timeout_s": 15}))
+    assert elastic[ray_private.START_TIMEOUT_ENV] == "15.0"
+    assert elastic["RAY_TRAIN_COLLECTIVE_TIMEOUT_S"] == elastic[ray_private.HEALTH_CHECK_TIMEOUT_ENV]
+    assert ray_private.START_TIMEOUT_ENV not in train_env(load_config("smoke", {"scaling.workers": "2"}))

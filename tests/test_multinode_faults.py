@@ -174,10 +174,10 @@ def test_a_notice_and_a_lost_node_in_one_run_lose_no_noticed_work_and_carry_each
 def test_elastic_run_shrinks_to_one_worker_and_grows_back_on_the_recipes_lr_and_global_batch(
         nodes, tmp_path, shared_cache):
     # Right after the loss Ray Train still asks for 2 workers and waits for that placement group until its
-    # worker-group start timeout before it falls back to 1: 15 s instead of Ray's 60 (a timed-out start is retried,
-    # not charged as a failure).
+    # worker-group start timeout before it falls back to 1: scaling.elastic_start_timeout_s (20 s) instead of Ray's
+    # 60, set by the run itself (a timed-out start is retried, not charged as a failure).
     proc = cluster_driver(nodes, tmp_path, "elastic", "--workers", "1:2", "--scaling.resize_check_s=2",
-                          cache=shared_cache, epochs=8, env={"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15"})
+                          cache=shared_cache, epochs=8)
     run = tmp_path / "elastic"
     paused = []
     try:

@@ -61,8 +61,10 @@ def short_soak(tmp_path_factory):
     work = tmp_path_factory.mktemp("soak")
     line, progress, err = work / "line.json", work / "progress.jsonl", work / "err.txt"
     with open(line, "w") as out, open(err, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "bench.soak", "--short", "--progress", str(progress)],
-                                cwd=ROOT, stdout=out, stderr=log, start_new_session=True)
+        # --keep: the run's files, and on a failure the cluster's and the jobs' logs, outlive the soak's cluster
+        proc = subprocess.Popen([sys.executable, "-m", "bench.soak", "--short", "--progress", str(progress),
+                                 "--keep", str(work / "run")], cwd=ROOT, stdout=out, stderr=log,
+                                start_new_session=True)
     try:
         yield Soak(proc, line, progress, err)
     finally:
@@ -91,7 +93,8 @@ def test_machines_lost_with_or_without_notice_or_hung_are_preemptions_losing_at_
     lines = short_soak.wait(lambda ls: all(_recovered(ls, k) for k in soak.MACHINE_KINDS), "machine faults survived")
     loss, notice, hang = (_recovered(lines, k) for k in soak.MACHINE_KINDS)
     # max_failures=0: a machine fault charged to the failure budget would have ended the run instead.
-    assert notice["lost_samples"] == 0, notice  # checkpointed at the notice
+    # Checkpointed at the notice, before the machine went at its deadline.
+    assert notice["lost_samples"] == 0 and notice["checkpointed_before_deadline"], notice
     assert loss["lost_samples"] <= INTERVAL and hang["lost_samples"] <= INTERVAL, (loss, hang)
     assert hang["hung_process_ended"], hang  # not left stopped, holding its machine
     # Back within the collective timeout its peers waited plus a worker-group restart on a machine the autoscaler

@@ -16,6 +16,7 @@ from lightray.config import ConfigError, ScalingConfig
 from lightray.driver.spot_watcher import (
     SpotWatcher,
     WatcherKeeper,
+    drain_node_for_preemption,
     parse_notice,
     start_watchers,
     stop_watchers,
@@ -230,6 +231,37 @@ def test_keeper_adds_a_watcher_when_a_node_joins_and_stop_ends_them_all(cluster,
         if new is not None:
             c.remove_node(new)
     assert len(handles) == 3 and watcher_statuses(handles, timeout_s=5) == []  # all killed
+
+
+@pytest.mark.slow  # a two-node cluster of its own
+@pytest.mark.shares_cpu
+@pytest.mark.own_cluster
+def test_keeper_ends_the_watcher_of_a_draining_node_so_that_ray_retires_the_node(cluster, imds):
+    """A watcher is an actor, and an actor keeps a drained node from going idle: Ray went on counting the node,
+    and sized the worker group restarting after the notice's checkpoint onto it, until the notice's deadline.
+    The node here holds nothing but its watcher; the drain comes from outside (the notice is its watcher's own
+    business, tested below), with a deadline far beyond the test."""
+    import ray
+
+    c, head, worker = cluster
+    spare = c.add_node(num_cpus=0, resources={"spare": 1})
+    c.wait_for_nodes()
+    cfg = ScalingConfig(spot_watcher="on", spot_endpoint=imds.url, spot_poll_s=0.5)
+    keeper = WatcherKeeper(cfg, "retire", every_s=0.5).start()
+    try:
+        assert spare.node_id in keeper.node_ids
+        accepted, why = drain_node_for_preemption(spare.node_id, int((time.time() + 600) * 1000),
+                                                  "test: spot interruption notice")
+        assert accepted, why
+        dead = wait_for(lambda: next((n for n in ray.nodes() if n["NodeID"] == spare.node_id and not n["Alive"]),
+                                     None), timeout_s=60, every_s=0.5)
+        assert dead["DeathReason"] == PREEMPTED, dead
+        # Its watcher's last status is kept for the run's summary; the other nodes keep their watchers.
+        (last,) = [st for st in keeper.statuses() if st["node_id"] == spare.node_id]
+        assert last["polls"] >= 1 and last["errors"] == 0, last
+        assert sorted(keeper.node_ids) == sorted([head, worker])
+    finally:
+        keeper.stop()
 
 
 @pytest.mark.slow  # a two-node cluster of its own

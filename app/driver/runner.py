@@ -81,6 +81,24 @@ def newest_run(storage_path: str) -> str | None:
 CLUSTER_ENV = {"TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": "5"}
 
 
+def train_env(cfg: Config) -> dict[str, str]:
+    """Ray Train's settings that a run puts in the driver's environment, where Ray Train reads them."""
+    env = {
+        # Ray Train's own barriers (a report with a checkpoint waits for every rank at its synchronization actor)
+        # wait forever by default: a peer stopped just before one hung the run for good, where a peer stopped
+        # inside a gloo/NCCL collective fails the group after scaling.collective_timeout_s (CI saw it once,
+        # 2026-12-05). The same limit for both.
+        "RAY_TRAIN_COLLECTIVE_TIMEOUT_S": str(cfg.scaling.collective_timeout_s),
+        # A lone worker that hangs has no peer whose collective times out: only the controller's health check sees
+        # it, after 10 minutes by default. The same limit for it.
+        ray_private.HEALTH_CHECK_TIMEOUT_ENV: str(cfg.scaling.collective_timeout_s),
+    }
+    lo, hi = cfg.worker_range()
+    if lo < hi:  # scaling.elastic_start_timeout_s: a notice's restart waited a minute for its draining machine
+        env[ray_private.START_TIMEOUT_ENV] = str(cfg.scaling.elastic_start_timeout_s)
+    return env
+
+
 def connect_ray(cfg: Config, verbose: bool = False, dashboard: bool = False) -> bool:
     """Join the cluster RAY_ADDRESS names or this host's `ray start` recorded, else start a local one, private to
     this run, with more logical CPUs than cores
@@ -102,16 +120,10 @@ def connect_ray(cfg: Config, verbose: bool = False, dashboard: bool = False) -> 
         pass
     address = cfg.scaling.ray_address
     ncpu = cfg.scaling.ray_num_cpus or 2 * (os.cpu_count() or 1)
-    for key, value in CLUSTER_ENV.items():  # a cluster started below inherits them; a value the user set wins
+    # A cluster started below inherits them, and Ray Train hands its own on to its controller and workers; a
+    # value the user set wins.
+    for key, value in {**CLUSTER_ENV, **train_env(cfg)}.items():
         os.environ.setdefault(key, value)
-    # Ray Train's own barriers (a report with a checkpoint waits for every rank at its synchronization actor) wait
-    # forever by default: a peer stopped just before one hung the run for good, where a peer stopped inside a
-    # gloo/NCCL collective fails the group after scaling.collective_timeout_s (CI saw it once, 2026-12-05). The
-    # same limit for both; the controller reads it from its environment, as it does CLUSTER_ENV.
-    os.environ.setdefault("RAY_TRAIN_COLLECTIVE_TIMEOUT_S", str(cfg.scaling.collective_timeout_s))
-    # A lone worker that hangs has no peer whose collective times out: only the controller's health check sees it,
-    # after 10 minutes by default. The same limit for it.
-    os.environ.setdefault(ray_private.HEALTH_CHECK_TIMEOUT_ENV, str(cfg.scaling.collective_timeout_s))
     ray_private.check()
     if address in ("local", "auto"):  # a cluster may start here: Ray's State API must not ask a dead one
         stale = ray_private.drop_stale_cluster_address()
@@ -583,7 +595,7 @@ def _fit(trainer, cfg: Config, local_run_dir: str, flush_log: Callable[[], Any],
     """Run the trainer to its end with the progress printer (to ``stream``; None = off) and the spot-notice
     watchers around it; returns (the error it ended with, the watchers' statuses). ``waiting`` None: no
     worker group to place and no notices to act on (a run in this process), so neither helper runs."""
-    from lightray.driver.spot_watcher import WatcherKeeper, watcher_statuses
+    from lightray.driver.spot_watcher import WatcherKeeper
 
     printer = None
     if stream is not None:
@@ -605,7 +617,7 @@ def _fit(trainer, cfg: Config, local_run_dir: str, flush_log: Callable[[], Any],
     finally:
         if keeper is not None:
             waiting.stop()
-            spot = watcher_statuses(keeper.handles)
+            spot = keeper.statuses()
             keeper.stop()
         flush_log()
         if printer is not None:

@@ -381,19 +381,25 @@ def _start_by_node(cfg: ScalingConfig, run_name: str, node_ids: list[str] | None
 
 
 class WatcherKeeper:
-    """Keeps a watcher on every eligible node for the length of a run.
+    """Keeps a watcher on every eligible node for the length of a run, and none on a node that is going.
 
     ``start_watchers`` sees the nodes alive when it is called; on a spot cluster the nodes that matter most
     arrive later (the autoscaler's replacements for reclaimed machines, elastic scale-ups). The keeper looks
     for unwatched nodes every ``every_s`` seconds from a daemon thread in the driver and starts watchers
-    there. ``stop()`` ends the thread and the watchers.
+    there. Every ``retire_every_s`` it ends the watchers of nodes that are draining, keeping their last
+    status: the notice is handled, and a watcher is an actor, which keeps a drained node from going idle. Ray
+    retires an idle drained node at once; until then it counts the node's resources, and sizes the worker
+    group that restarts after the notice's checkpoint onto it (measured: the group waited for the node until
+    the notice's deadline). ``stop()`` ends the thread and the watchers.
     """
 
-    def __init__(self, cfg: ScalingConfig, run_name: str, every_s: float = 30.0):
+    def __init__(self, cfg: ScalingConfig, run_name: str, every_s: float = 30.0, retire_every_s: float = 2.0):
         self.cfg = cfg
         self.run_name = run_name
         self.every_s = float(every_s)
+        self.retire_every_s = float(retire_every_s)
         self._by_node: dict[str, Any] = {}
+        self._retired: dict[str, dict] = {}  # node id -> the last status of its watcher, ended on the drain
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -421,13 +427,42 @@ class WatcherKeeper:
         self._thread.start()
         return self
 
+    def retire_draining(self) -> int:
+        """End the watchers of the nodes that are draining now, keeping each one's last status; returns how
+        many were ended. A draining node gets no new watcher (``watched_nodes``)."""
+        from lightray import ray_private
+
+        draining = ray_private.draining_node_ids()
+        with self._lock:
+            going = {n: h for n, h in self._by_node.items() if n in draining}
+        for node, handle in going.items():
+            last = watcher_statuses([handle], timeout_s=5.0)
+            stop_watchers([handle])
+            with self._lock:
+                self._by_node.pop(node, None)
+                self._retired[node] = last[0] if last else {"node_id": node, "drained": None,
+                                                             "last_error": "no status before it was ended"}
+            logger.info("spot watcher: node %s is draining; its watcher ended so that Ray can retire the node",
+                        node)
+        return len(going)
+
     def _loop(self) -> None:
-        while not self._stop.wait(self.every_s):
+        next_refresh = time.monotonic() + self.every_s
+        while not self._stop.wait(min(self.every_s, self.retire_every_s)):
             try:
-                self.refresh()
+                self.retire_draining()
+                if time.monotonic() >= next_refresh:
+                    next_refresh = time.monotonic() + self.every_s
+                    self.refresh()
             except Exception as err:  # a GCS hiccup must not end the run; next round retries
                 self.errors += 1
                 logger.debug("spot watcher keeper: refresh failed: %s", err)
+
+    def statuses(self, timeout_s: float = 10.0) -> list[dict]:
+        """The last status of every watcher the run had: those still up (asked now) and those ended on a drain."""
+        with self._lock:
+            retired = list(self._retired.values())
+        return watcher_statuses(self.handles, timeout_s) + retired
 
     @property
     def handles(self) -> list:
