@@ -13,6 +13,7 @@ import time
 import pytest
 
 from lightray.config import ConfigError, ScalingConfig
+from lightray.driver import placement
 from lightray.driver.spot_watcher import (
     SpotWatcher,
     WatcherKeeper,
@@ -323,6 +324,10 @@ def test_notice_drains_own_node_for_preemption_and_train_loop_sees_it(cluster, i
         assert status["notice"]["action"] == "terminate" and status["notices"] >= 1
         # A node already draining gets no new watcher (a hard affinity there would wait forever).
         assert start_watchers(cfg, "after-drain", node_ids=[worker]) == []
+        # A worker group waiting now is told what the draining node holds: the cluster counts it as free.
+        waiting = placement.WaitReporter({"CPU": 1.0}, "1").describe(1)
+        assert "{CPU: 3, GPU: 1, spot_node: 1} in total" in waiting, waiting
+        assert "(of which {CPU: 2, GPU: 1, spot_node: 1} on 1 draining machine(s)" in waiting, waiting
     finally:
         stop_watchers(handles)
     # With the run and its watcher gone the drained node is idle, and Ray retires it: the GCS records the death

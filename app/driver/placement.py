@@ -67,6 +67,28 @@ def _pending_groups() -> list[dict[str, Any]]:
     return [pg for pg in table.values() if pg.get("state") in ("PENDING", "RESCHEDULING")]
 
 
+def _draining() -> tuple[int, dict[str, float]]:
+    """How many machines are draining (a spot notice, an idle machine being removed), and what they hold: Ray
+    counts them in the cluster's totals and free resources, but places nothing new on them."""
+    import ray
+
+    from lightray import ray_private
+
+    try:
+        ids = ray_private.draining_node_ids()
+        nodes = ray.nodes() if ids else []
+    except Exception:  # the GCS is busy or going away: say nothing of it this round
+        return 0, {}
+    held: dict[str, float] = {}
+    count = 0
+    for node in nodes:
+        if node.get("Alive") and node["NodeID"] in ids:
+            count += 1
+            for key, value in node.get("Resources", {}).items():
+                held[key] = held.get(key, 0.0) + value
+    return count, held
+
+
 class WaitReporter:
     """Prints, every ``every_s`` seconds while a placement group waits, what the worker group waits for."""
 
@@ -90,10 +112,15 @@ class WaitReporter:
         import ray
 
         total, free = ray.cluster_resources(), ray.available_resources()
+        draining, held = _draining()
+        # A group waiting while the cluster looks free is often waiting on a draining machine (CI, 2026-12-07).
+        on_draining = (f" (of which {fmt(held)} on {draining} draining machine(s), where nothing new is placed)"
+                       if draining else "")
         grow = ("an autoscaler, if the cluster has one, may add nodes with these resources (`ray status` shows "
                 "its pending launches)" if self.can_grow else "nothing will add nodes to this cluster")
         return (f"waiting for the worker group: {self.workers} workers x {fmt(self.request)} "
-                f"({pending} placement group(s) pending); the cluster has {fmt(total)} in total, {fmt(free)} free; "
+                f"({pending} placement group(s) pending); the cluster has {fmt(total)} in total, {fmt(free)} free"
+                f"{on_draining}; "
                 f"{grow}")
 
     def _loop(self) -> None:
