@@ -434,11 +434,9 @@ def long_run(epochs: int = 4) -> tuple[str, ...]:
 
 
 def cluster_driver(nodes: NodeCluster, storage: pathlib.Path, name: str, *args: str, cache: pathlib.Path,
-                   epochs: int = 4, env: dict | None = None) -> subprocess.Popen:
-    """The real driver against the multi-node cluster, one Train worker per worker node; ``env`` adds to
-    the cluster's environment."""
-    return driver(storage, name, *long_run(epochs), *args, cache=cache, address=nodes.address,
-                  env={**NodeCluster.ENV, **(env or {})})
+                   epochs: int = 4) -> subprocess.Popen:
+    """The real driver against the multi-node cluster, one Train worker per worker node."""
+    return driver(storage, name, *long_run(epochs), *args, cache=cache, address=nodes.address, env=NodeCluster.ENV)
 
 
 def run_schedule(run_dir: pathlib.Path):
