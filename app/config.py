@@ -312,11 +312,16 @@ class ScheduleConfig:
     allow_upscale: Bool = False
 
 
-def _auto_or_count(value: str) -> str:
-    """``scaling.max_batch_per_device``: ``auto`` or a whole number of images (0 = no cap), kept as text."""
-    if value != "auto" and not (value.isdigit() and int(value) >= 0):
-        raise _bad(value, "expected auto or a whole number of images >= 0 (0 = no cap)")
-    return value
+def _auto_or_whole(what: str) -> typing.Callable[[str], str]:
+    """A key that takes ``auto`` or a whole number (of ``what``: its unit and what 0 means), kept as text."""
+    def check(value: str) -> str:
+        if value != "auto" and not (value.isdigit() and int(value) >= 0):
+            raise _bad(value, f"expected auto or a whole number of {what}")
+        return value
+    return check
+
+
+_auto_or_count = _auto_or_whole("images >= 0 (0 = no cap)")  # scaling.max_batch_per_device
 
 
 @_section
@@ -357,6 +362,10 @@ class ScalingConfig:
     # start of the current phase's last epoch (app/train/phase_streams.py). Off by default: on a 2-CPU machine
     # Ray Data's start is CPU work on the step's own cores, and opening it early cost wall time (bench.unit_ab)
     stream_ahead: Bool = False
+    # task worker processes each rank starts for its stream's map tasks while its model is built, so that the first
+    # map task finds one with its imports done (app/data/warm_workers.py). auto: one on a GPU worker, none on a CPU
+    # one, where the warm-up's start is work on the cores that build the model (bench.unit_ab: first step later)
+    warm_data_workers: Annotated[Str, AfterValidator(_auto_or_whole("processes >= 0 (0 = none)"))] = "auto"
     # glibc malloc keeps freed blocks for the next step in the processes of a cluster this run starts
     # (app/train/host_memory.py); auto: when it trains on CPUs
     reuse_host_memory: Annotated[Str, OneOf("auto", "true", "false")] = "auto"

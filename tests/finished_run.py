@@ -4,7 +4,8 @@
 It is the real command, `python app/run.py --smoke-test` on a local Ray cluster with 2 gloo workers, run on a
 pseudo-terminal as a user's shell runs it (the console tests read what it drew there), with every
 option those readers need: EMA (the export writes the EMA copy), TensorBoard (on by default), the per-step
-sample log (the resume tests audit it) and each phase's stream opened ahead (``scaling.stream_ahead``). Its data
+sample log (the resume tests audit it), each phase's stream opened ahead (``scaling.stream_ahead``) and a data
+task worker warmed by each rank (``scaling.warm_data_workers``). Its data
 is an ImageFolder tree of 64 px photos in 3 classes told apart
 by colour (tests/photos.py), in the smoke recipe's shape (256 train and 64 val images, 2 epochs, 32 then 48 px):
 the smoke recipe's 12 steps learn it (100% top-1 here), where on the 10 demo shapes they stay at chance (12.5%).
@@ -43,10 +44,10 @@ def photos(shared: pathlib.Path) -> pathlib.Path:
 def finished_run_args(shared: pathlib.Path) -> tuple[str, ...]:
     """The options of the finished run, for drivers that must train the same model (the resume tests)."""
     # Targets above chance (1/3): a top-1 the run must learn to reach; a top-5 that 3 classes give at once.
-    # scaling.stream_ahead is off by default: on here, its wiring is read from a real run, and the resume tests
-    # stop and resume runs that hold a stream opened ahead.
+    # scaling.stream_ahead and scaling.warm_data_workers are off on a CPU by default: on here, their wiring is read
+    # from a real run, and the resume tests stop and resume runs that hold a stream opened ahead.
     return ("--data", str(photos(shared)), "--optim.ema_decay=0.8", f"--report.targets=[{TOP1_TARGET}]",
-            "--report.top5_targets=[1.0]", "--scaling.stream_ahead=true")
+            "--report.top5_targets=[1.0]", "--scaling.stream_ahead=true", "--scaling.warm_data_workers=1")
 
 
 def finished_run(shared: pathlib.Path, shared_cache: pathlib.Path) -> pathlib.Path:

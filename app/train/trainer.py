@@ -33,7 +33,7 @@ from lightray.comm.fusion import choose_bucket_mb
 from lightray.comm.hook import CommHook
 from lightray.comm.topology import Topology
 from lightray.config import Config, Phase, config_from_dict
-from lightray.data import device_decode, start_decode
+from lightray.data import device_decode, start_decode, warm_workers
 from lightray.data.plan import rank_slice
 from lightray.data.spec import IngestSpec
 from lightray.plain_rng import numpy_rng_from_plain, numpy_rng_to_plain
@@ -197,6 +197,11 @@ class Trainer:
         self.streams = PhaseStreams(lambda name: self.ctx.dataset_shard(name), self._rank_rows,
                                     spec.prefetch_batches, self.device, device_prefetch=cfg.scaling.device_prefetch,
                                     ahead=cfg.scaling.stream_ahead, probe_first=bool(start_decode.needs_probe(spec)))
+        # Before anything else of the start: the warm-up's process start and imports overlap the model's build.
+        self.warm_refs = warm_workers.start(
+            warm_workers.count(cfg.scaling.warm_data_workers, self.device.type == "cuda", spec.map_concurrency, world)
+            if ctx is not None else 0,
+            spec.map_cpus)
         if ctx is not None and self.streams.ahead:
             resumed_at = read_recorded_resume(run_dir).samples_seen
             first = self._next_phase(resumed_at)
@@ -612,7 +617,9 @@ class Trainer:
              if self.spec.flip == "alternate" else "a coin per image and epoch"},
             {"unit": "lookahead", "enabled": self.lookahead is not None,
              "message": describe_lookahead(self.cfg.optim.lookahead_every)},
-            host_memory.describe()] + list(self.spec.events)
+            host_memory.describe(),
+            warm_workers.describe(self.warm_refs, self.cfg.scaling.warm_data_workers, self.spec.map_cpus)
+        ] + list(self.spec.events)
         for ev in events:
             self.report({"event": "unit", **ev})
 
