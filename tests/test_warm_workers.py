@@ -30,7 +30,7 @@ def _rank_actor(ray):
 
             refs = warm_workers.start(warm_workers.count(warm, False, None, 1), 0.5)
             ray.wait(refs, num_returns=len(refs), timeout=60)  # the model's build, in a real start
-            said = warm_workers.describe(refs, warm, 0.5)
+            said = warm_workers.describe(refs, warm, False, 0.5)
             ds = ray.data.range(8, override_num_blocks=4).map_batches(
                 map_pid, num_cpus=0.5, compute=ray.data.TaskPoolStrategy(size=1))
             pids = {int(p) for b in ds.iterator().iter_batches(batch_size=None) for p in b["pid"]}
@@ -67,3 +67,13 @@ def test_each_rank_of_a_run_warms_a_data_worker_before_its_first_batch_and_says_
     [unit] = [r for r in records(finished_run) if r.get("unit") == "warm_data_workers"]  # rank 0's start
     assert unit["enabled"] and unit["started"] == 1 and unit["ready"] == len(unit["pids"]) <= 1, unit
     assert unit["message"].startswith("1 task worker process(es) x "), unit
+
+
+@pytest.mark.parametrize("setting,gpu,why", [("0", True, "scaling.warm_data_workers=0"),
+                                             ("auto", False, "auto: a CPU worker"),
+                                             ("auto", True, "no Ray Train worker here")])
+def test_a_rank_that_warms_nothing_says_why(setting, gpu, why):
+    from lightray.data.warm_workers import describe
+
+    said = describe([], setting, gpu, 0.5)
+    assert not said["enabled"] and said["message"].startswith(f"off ({why}"), said

@@ -44,11 +44,12 @@ def start(n: int, task_cpus: float) -> list[ray.ObjectRef]:
     return [task.remote() for _ in range(n)]
 
 
-def describe(refs: list[ray.ObjectRef], setting: str, task_cpus: float) -> dict[str, Any]:
+def describe(refs: list[ray.ObjectRef], setting: str, on_gpu: bool, task_cpus: float) -> dict[str, Any]:
     """The unit's line, said before the first batch is asked for: how many warm-up tasks had ended by then."""
     if not refs:
-        why = {"auto": "auto: a CPU worker, whose cores build the model", "0": "scaling.warm_data_workers=0"}.get(
-            setting, "no Ray here")
+        why = ("scaling.warm_data_workers=0" if setting == "0" else
+               "auto: a CPU worker, whose cores build the model" if setting == "auto" and not on_gpu else
+               "no Ray Train worker here")
         return {"unit": "warm_data_workers", "enabled": False, "message": f"off ({why})", "started": 0, "ready": 0}
     done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
     ready = []

@@ -618,7 +618,8 @@ class Trainer:
             {"unit": "lookahead", "enabled": self.lookahead is not None,
              "message": describe_lookahead(self.cfg.optim.lookahead_every)},
             host_memory.describe(),
-            warm_workers.describe(self.warm_refs, self.cfg.scaling.warm_data_workers, self.spec.map_cpus)
+            warm_workers.describe(self.warm_refs, self.cfg.scaling.warm_data_workers, self.device.type == "cuda",
+                                  self.spec.map_cpus)
         ] + list(self.spec.events)
         for ev in events:
             self.report({"event": "unit", **ev})
