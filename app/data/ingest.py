@@ -23,7 +23,6 @@ How the pieces meet Ray Train:
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,7 +35,7 @@ import ray.train
 from lightray import units
 from lightray.data import augment, autotune, data_share, shard_cache, start_decode, task_batches
 from lightray.data.plan import EpochPlan, rank_slice
-from lightray.data.spec import BLOCK_ROWS, IngestSpec, TierShards
+from lightray.data.spec import BLOCK_ROWS, IngestSpec, TierShards, rank_task_share
 
 # The spec and its parts stay importable from the ingest, whose public types they are ("X as X": re-exported).
 from lightray.data.spec import MAP_CPUS as MAP_CPUS
@@ -276,7 +275,7 @@ class PlanDataConfig(ray.train.DataConfig):
         limits, tasks = self._start(ctx, world_size, worker_node_ids)
         options = ExecutionOptions(resource_limits=limits, preserve_order=True)
         # Tasks in flight are for the whole cluster; each rank's stream gets its share.
-        per_rank = ray.data.TaskPoolStrategy(size=max(1, math.ceil(tasks / world_size)) if tasks else None)
+        per_rank = ray.data.TaskPoolStrategy(size=rank_task_share(tasks, world_size))
         out = [{} for _ in range(world_size)]
         for name, ds in datasets.items():
             for rank in range(world_size):

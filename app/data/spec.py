@@ -6,6 +6,7 @@ calibration (``lightray.data.autotune``), which both read images through ``TierS
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,6 +134,12 @@ class IngestSpec:
     def event(self, unit: str, message: str, **fields: Any) -> None:
         log.info("%s: %s", unit, message)
         self.events.append({"unit": unit, "message": message, **fields})
+
+
+def rank_task_share(tasks: int | None, world_size: int) -> int | None:
+    """A rank's share of a start's map tasks in flight (``tasks`` for all ranks; None = Ray Data picks): the
+    size of each rank's stream's task pool, and what ``scaling.warm_data_workers`` warms at most."""
+    return max(1, math.ceil(tasks / world_size)) if tasks else None
 
 
 def tier_shards(manifest: Any, split: str, want: int) -> TierShards:

@@ -12,12 +12,13 @@ map task.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from typing import Any
 
 import ray
+
+from lightray.data.spec import rank_task_share
 
 
 def _warm() -> dict[str, Any]:
@@ -31,8 +32,7 @@ def count(setting: str, on_gpu: bool, map_concurrency: int | None, world_size: i
     """Processes a rank warms: its share of the map tasks in flight (one when Ray Data picks), at most
     ``scaling.warm_data_workers`` (``auto``: one on a GPU worker, none on a CPU one)."""
     cap = (1 if on_gpu else 0) if setting == "auto" else int(setting)
-    share = math.ceil(map_concurrency / world_size) if map_concurrency else 1
-    return max(0, min(cap, share))
+    return max(0, min(cap, rank_task_share(map_concurrency, world_size) or 1))
 
 
 def start(n: int, task_cpus: float) -> list[ray.ObjectRef]:
