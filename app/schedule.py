@@ -104,6 +104,11 @@ class Position:
         return self.epoch + self.step_in_epoch / max(1, self.steps_in_epoch)
 
 
+def validates_after(epoch: int, epochs: int, every: int) -> bool:
+    """Whether the 0-based ``epoch`` of ``epochs`` ends with a validation: every ``every``-th and the last."""
+    return epoch + 1 >= epochs or (every > 0 and (epoch + 1) % every == 0)
+
+
 class Schedule:
     """Maps samples seen to (epoch, step, phase) and to the LR and momentum to use."""
 
@@ -155,6 +160,20 @@ class Schedule:
         if offset % b:
             raise ValueError(f"samples_seen={samples_seen} is not on a step boundary of epoch {e} (batch {b})")
         return Position(e, offset // b, self.steps_in_epoch(e), self.phase_index_for_epoch(e))
+
+    def validates_after(self, epoch: int) -> bool:
+        """Whether the epoch ``epoch`` (0-based) ends with a validation: every ``schedule.eval_every_epochs``-th
+        epoch and the last one (0 = the last only)."""
+        return validates_after(epoch, self.epochs, int(self.cfg.eval_every_epochs))
+
+    def describe_validation(self) -> str:
+        """The ``eval_schedule`` unit's line: after which epochs the run validates."""
+        after = [e + 1 for e in range(self.epochs) if self.validates_after(e)]
+        if len(after) == self.epochs:
+            return f"validation after each of the {self.epochs} epochs"
+        return (f"validation after epoch{'s' if len(after) > 1 else ''} {', '.join(map(str, after))} of "
+                f"{self.epochs} (schedule.eval_every_epochs={self.cfg.eval_every_epochs}); the others report "
+                "their training figures only")
 
     def phase_at(self, samples_seen: int) -> Phase:
         return self.cfg.phases[self.locate(samples_seen).phase_index]

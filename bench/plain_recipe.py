@@ -238,7 +238,8 @@ def _train_epoch(model, opt, loss_fn, averages: dict[str, Any], sched, ph, array
 def run(cfg, arrays: dict[str, Any], *, targets: list[float], threads: int, seed: int,
         fixed_final: bool = False, label: str = "plain same recipe") -> tuple[list[dict[str, Any]], float]:
     """Train ``cfg`` (a config fitted to the data) over ``arrays`` (:func:`load_arrays` or :func:`load_tree`);
-    per-epoch records (epoch, val_top1, train_s, wall_s) until the highest target or the recipe's epochs, and the
+    a record (epoch, val_top1, train_s, wall_s) per validated epoch (``schedule.eval_every_epochs``, as lightray)
+    until the highest target or the recipe's epochs, and the
     start-up seconds (model and optimiser build, the decode counted by the caller)."""
     from bench.common import note
     from lightray.schedule import Schedule
@@ -277,6 +278,10 @@ def run(cfg, arrays: dict[str, Any], *, targets: list[float], threads: int, seed
         ph = final if fixed_final else next(p for p in sched.resolved.phases if p.first_epoch <= epoch < p.end_epoch)
         samples = _train_epoch(model, opt, loss_fn, averages, sched, ph, arrays, rng.permutation(len(xtr)), gen,
                                samples, cfg=cfg, epoch=epoch, precision=precision)
+        if not sched.validates_after(epoch):  # lightray's evaluation interval (schedule.eval_every_epochs)
+            note(f"{label} epoch {epoch + 1}/{sched.epochs} ({ph.resolution}px): not validated "
+                 f"({time.perf_counter() - t_train:.0f} s)")
+            continue
         top1 = _top1(ema.module if ema is not None else model, xva, yva, cfg, eval_res,
                      arrays.get("val_cropped", False), precision,
                      cfg.schedule.tta_translate if epoch + 1 == sched.epochs else 0)

@@ -132,10 +132,14 @@ def _to_targets(history: list[dict[str, Any]], targets: list[float], train_key: 
 
 def _side_result(history: list[dict[str, Any]], targets: list[float], startup_s: float, total_wall_s: float,
                  **extra: Any) -> dict[str, Any]:
+    """One side's figures from its validated epochs' records (every epoch, unless ``schedule.eval_every_epochs``
+    skips some: ``top1_per_epoch`` and ``epoch_s`` then run from one validation to the next)."""
+    epochs_run = int(history[-1]["epoch"])
     return {"by_target": _to_targets(history, targets, "train_s", "wall_s"), "startup_s": startup_s,
-            "epochs_run": len(history), "best_top1": max(float(r["val_top1"]) for r in history),
+            "epochs_run": epochs_run, "best_top1": max(float(r["val_top1"]) for r in history),
             "train_s_total": float(history[-1]["train_s"]), "total_wall_s": total_wall_s,
-            "train_s_per_epoch": float(history[-1]["train_s"]) / len(history),
+            "train_s_per_epoch": float(history[-1]["train_s"]) / epochs_run,
+            "validated_epochs": [int(r["epoch"]) for r in history],
             "top1_per_epoch": [round(float(r["val_top1"]), 4) for r in history],
             "epoch_s": [round(float(r["train_s"]) - float(p["train_s"]), 3)
                         for p, r in zip([{"train_s": 0.0}] + history, history)], **extra}
@@ -159,9 +163,11 @@ def epoch_gaps(light_runs: list[dict[str, Any]], base_runs: list[dict[str, Any]]
 # --- the plain PyTorch loop both baselines share -------------------------------------------------------
 def _plain_loop(model: torch.nn.Module, train_loader, val_loader, opt: torch.optim.Optimizer, criterion,
                 set_lr, *, epochs: int, targets: list[float], channels_last: bool, t_start: float, label: str,
-                precision: str = "fp32") -> tuple[list[dict[str, Any]], float]:
-    """Train and validate every epoch until the highest target or ``epochs``; ``set_lr(epoch, step,
-    steps_per_epoch)`` runs before each step. Returns the per-epoch records and the start-up seconds."""
+                precision: str = "fp32", eval_every: int = 1) -> tuple[list[dict[str, Any]], float]:
+    """Train, and validate every ``eval_every``-th epoch and the last (0 = the last only, as
+    ``schedule.eval_every_epochs``), until the highest target or ``epochs``; ``set_lr(epoch, step,
+    steps_per_epoch)`` runs before each step. Returns the validated epochs' records and the start-up seconds."""
+    from lightray.schedule import validates_after
     from lightray.train.device import autocast
 
     cpu = torch.device("cpu")
@@ -182,6 +188,8 @@ def _plain_loop(model: torch.nn.Module, train_loader, val_loader, opt: torch.opt
             opt.step()
             loss_sum += float(loss.detach()) * len(y)
             n += len(y)
+        if not validates_after(epoch, epochs, eval_every):
+            continue
         model.eval()
         correct = total = 0
         with torch.no_grad():
@@ -272,7 +280,8 @@ def run_tuned_plain(tree: str, cfg, *, targets: list[float], threads: int, loade
                                    nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing), set_lr,
                                    epochs=int(cfg.schedule.epochs), targets=targets,
                                    channels_last=cfg.model.channels_last, t_start=t_start, label="tuned plain",
-                                   precision=precision_for(cfg.model, torch.device("cpu")))
+                                   precision=precision_for(cfg.model, torch.device("cpu")),
+                                   eval_every=int(cfg.schedule.eval_every_epochs))
     return _side_result(history, targets, startup, time.perf_counter() - t_start, train_images=len(train_set),
                         val_images=len(val_set), resolution=res, eval_resolution=eval_res, batch=batch,
                         lr_peak=peak, threads=torch.get_num_threads(), loader_workers=loader_workers)

@@ -1,5 +1,6 @@
 """bench/plain_recipe.py, the same-recipe plain baseline: a tree of images of many sizes is held decoded once per
-phase size, and each image is cropped within its own pixels, never the canvas's padding."""
+phase size, each image is cropped within its own pixels, never the canvas's padding, and the loop validates on
+lightray's evaluation interval."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from bench.plain_recipe import load_tree, random_resized_crop, tree_samples
+from bench.plain_recipe import load_tree, random_resized_crop, run, tree_samples
+from lightray.config import load_config
 
 
 def _tree(root: pathlib.Path) -> None:
@@ -77,3 +79,15 @@ def test_crops_stay_inside_each_images_own_pixels(hw_known):
         assert low > 0.99
     else:
         assert low < 0.5  # without the sizes the crops take the canvas's black padding
+
+
+def test_the_loop_validates_on_the_recipes_evaluation_interval():
+    rng = np.random.default_rng(0)
+    arrays = {"classes": ["a", "b"], "train": (rng.integers(0, 256, (64, 32, 32, 3), dtype=np.uint8),
+                                               rng.integers(0, 2, 64).astype(np.int64)),
+              "val": (rng.integers(0, 256, (16, 32, 32, 3), dtype=np.uint8), rng.integers(0, 2, 16).astype(np.int64))}
+    cfg = load_config("smoke", {"schedule.epochs": 3, "schedule.eval_every_epochs": 2,
+                                "schedule.phases": [{"until": 1.0, "resolution": 32, "batch_size": 32}]})
+    history, _startup = run(cfg, arrays, targets=[1.1], threads=1, seed=0)
+    assert [r["epoch"] for r in history] == [2, 3]
+    assert history[0]["train_s"] < history[1]["train_s"]

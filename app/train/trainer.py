@@ -615,6 +615,8 @@ class Trainer:
             {"unit": "alternating_flip", "enabled": self.spec.flip == "alternate",
              "message": "each image mirrored in even epochs iff its hashed coin says so, the other way in odd ones"
              if self.spec.flip == "alternate" else "a coin per image and epoch"},
+            {"unit": "eval_schedule", "enabled": self.cfg.schedule.eval_every_epochs != 1,
+             "message": self.sched.describe_validation()},
             {"unit": "lookahead", "enabled": self.lookahead is not None,
              "message": describe_lookahead(self.cfg.optim.lookahead_every)},
             host_memory.describe(),
@@ -670,13 +672,18 @@ class Trainer:
                          "eval_resolution": self.spec.eval_resolution})
 
     def end_epoch(self, epoch: int, run: PhaseRun) -> None:
-        """Validate, report the epoch's line and checkpoint."""
-        val = self.evaluate(final=epoch + 1 >= self.sched.epochs)
+        """Validate where the schedule says (``schedule.eval_every_epochs``), report the epoch's line and
+        checkpoint. An epoch without validation reports its line without the ``val_*`` figures."""
         c = self.counters
-        if self.exporter is not None:  # before best_top1 moves: it exports when this validation improves on it
-            self.exporter.on_validation(self.validated_model, val, epoch + 1, c.samples_seen)
-        c.best_top1 = max(c.best_top1, val["val_top1"])
-        self.metrics = dict(self.metrics, **val, epoch=epoch + 1, samples_seen=c.samples_seen, step=c.step,
+        val: dict[str, float] = {}
+        if self.sched.validates_after(epoch):
+            val = self.evaluate(final=epoch + 1 >= self.sched.epochs)
+            if self.exporter is not None:  # before best_top1 moves: it exports when this validation improves on it
+                self.exporter.on_validation(self.validated_model, val, epoch + 1, c.samples_seen)
+            c.best_top1 = max(c.best_top1, val["val_top1"])
+        # an earlier epoch's figures never ride on this line
+        earlier = {k: v for k, v in self.metrics.items() if not k.startswith("val_")}
+        self.metrics = dict(earlier, **val, epoch=epoch + 1, samples_seen=c.samples_seen, step=c.step,
                             restarts=c.starts - 1, resizes=c.resizes, epoch_progress=float(epoch + 1),
                             best_top1=c.best_top1, elapsed_s=self._elapsed_s(),
                             device_seconds=self._device_seconds(), comm_bytes=self.comm.bytes_sent,
