@@ -309,7 +309,7 @@ class ScheduleConfig:
     # validation also scores each image moved this many pixels diagonally both ways (airbench's "level 2" views)
     tta_translate: Annotated[Int, Range(0, 64)] = 0
     # validate after every Nth epoch and after the last (MLPerf's evaluation interval); 0 = after the last only.
-    # Validation runs on the training clock: each epoch's, with flip TTA, is about a twelfth of a CIFAR-10 epoch here
+    # Validation runs on the training clock: each epoch's, with flip TTA, costs about a tenth of a CIFAR-10 epoch here
     eval_every_epochs: Annotated[Int, Range(0, 10000)] = 1
     # train and test above the source's native size (upscaled images); off: such phases are clipped to it
     allow_upscale: Bool = False

@@ -26,9 +26,11 @@ def test_the_units_line_names_the_validated_epochs_and_the_key():
     cfg = load_config("cifar10", {"schedule.eval_every_epochs": 4})
     line = Schedule(cfg.schedule, cfg.optim, 45000).describe_validation()
     assert "after epochs 4, 8, 9 of 9" in line and "schedule.eval_every_epochs=4" in line
-    every = load_config("cifar10", {})
+    every = load_config("cifar10", {"schedule.eval_every_epochs": 1})
     assert Schedule(every.schedule, every.optim, 45000).describe_validation() == \
         "validation after each of the 9 epochs"
+    shipped = load_config("cifar10", {})  # the 10-minute recipe validates once, at its end, as airbench94 times
+    assert "after epoch 9 of 9" in Schedule(shipped.schedule, shipped.optim, 45000).describe_validation()
 
 
 def test_a_negative_interval_is_refused_by_name():
