@@ -373,6 +373,7 @@ def summarize_side(runs: list[dict[str, Any]], targets: list[float]) -> dict[str
                            for key in ("startup_s", "total_wall_s", "train_s_total", "train_s_per_epoch")}
     out["best_top1"] = spread([r["best_top1"] for r in runs], 4)
     out["epochs_run"] = [r["epochs_run"] for r in runs]
+    out["validated_epochs"] = [r["validated_epochs"] for r in runs]  # the epochs top1_per_epoch scores
     out["top1_per_epoch"] = [r["top1_per_epoch"] for r in runs]
     out["epoch_s"] = [r["epoch_s"] for r in runs]
     for key in ("train_s", "wall_s"):

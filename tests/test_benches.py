@@ -329,6 +329,8 @@ def test_time_to_accuracy_on_cifar10_runs_the_same_recipe_plain_and_names_the_ra
     # 0.20-0.35 after their first epoch of 45,000 photos): the bar is not raised towards an unmeasured figure.
     for side in ("lightray", "plain_same_recipe", "plain_fixed_resolution"):
         assert fig[side]["best_top1"]["median"] >= 0.25, (side, fig[side]["top1_per_epoch"])
+        # the recipe validates after its last epoch only (schedule.eval_every_epochs=0), and so does every side
+        assert fig[side]["validated_epochs"] == [[4]], (side, fig[side]["validated_epochs"])
     for name, side in (("vs_plain_same_recipe", "plain_same_recipe"), ("vs_plain_fixed_res", "plain_fixed_resolution")):
         for key in ("train_s", "wall_s"):
             r = rat[f"{name}_{key}"]["0.3"]
