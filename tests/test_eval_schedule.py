@@ -14,6 +14,7 @@ from lightray.data.ingest import IngestSpec, TierShards
 from lightray.schedule import Schedule, validates_after
 from lightray.train.context import LocalContext
 from lightray.train.trainer import PhaseRun, Trainer
+from tests.faults import records as run_records
 
 
 @pytest.mark.parametrize(("every", "epochs", "validated"), [
@@ -73,3 +74,11 @@ def test_epochs_off_the_interval_report_no_validation_figures_and_keep_none_from
     # every epoch still checkpoints, validated or not
     assert [m["epoch"] for m in saved] == [1, 2, 3, 4]
     assert trainer.counters.best_top1 == max(lines[1]["val_top1"], lines[3]["val_top1"])
+
+
+def test_a_real_run_says_which_epochs_it_validates_and_validates_them(finished_run):
+    """The session's finished smoke run (no new run): the default interval validates both of its epochs."""
+    recs = run_records(finished_run)
+    [unit] = [r for r in recs if r.get("unit") == "eval_schedule"]
+    assert not unit["enabled"] and unit["message"] == "validation after each of the 2 epochs", unit
+    assert [r["epoch"] for r in recs if "event" not in r and "val_top1" in r] == [1, 2]
