@@ -239,8 +239,8 @@ def run(cfg, arrays: dict[str, Any], *, targets: list[float], threads: int, seed
         fixed_final: bool = False, label: str = "plain same recipe") -> tuple[list[dict[str, Any]], float]:
     """Train ``cfg`` (a config fitted to the data) over ``arrays`` (:func:`load_arrays` or :func:`load_tree`);
     a record (epoch, val_top1, train_s, wall_s) per validated epoch (``schedule.eval_every_epochs``, as lightray)
-    until the highest target or the recipe's epochs, and the
-    start-up seconds (model and optimiser build, the decode counted by the caller)."""
+    until the highest target or the recipe's epochs, and the start-up seconds (model and optimiser build, the
+    decode counted by the caller)."""
     from bench.common import note
     from lightray.schedule import Schedule
     from lightray.train.device import precision_for

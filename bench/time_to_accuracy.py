@@ -146,9 +146,10 @@ def _side_result(history: list[dict[str, Any]], targets: list[float], startup_s:
 
 
 def epoch_gaps(light_runs: list[dict[str, Any]], base_runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Where lightray's training time goes against a baseline's, epoch by epoch: per epoch that both sides ran
-    in a repeat (a baseline stops at the highest target), lightray's seconds less the baseline's, as the median
-    over the repeats, with their sum. The same seed gives both sides the same epochs' work."""
+    """Where lightray's training time goes against a baseline's, epoch by epoch (from one validation to the next
+    where ``schedule.eval_every_epochs`` skips some; both sides validate on the same epochs): per epoch that both
+    sides ran in a repeat (a baseline stops at the highest target), lightray's seconds less the baseline's, as the
+    median over the repeats, with their sum. The same seed gives both sides the same epochs' work."""
     per_epoch: list[list[float]] = []
     for lt, b in zip(light_runs, base_runs):
         for i, (x, y) in enumerate(zip(lt["epoch_s"], b["epoch_s"])):
