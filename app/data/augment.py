@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image
 
+from lightray.data import pcg_streams
 from lightray.data.sample_hash import hashed_uniforms
 
 
@@ -30,9 +31,10 @@ def decode(data: bytes, fmt: str, height: int, width: int) -> Image.Image:
 # Every draw is a pure function of (seed, epoch, sample id, draw index): each sample's uniforms come from its own
 # numpy generator seeded with (seed, epoch, id), and torchvision's box arithmetic then runs for the whole block
 # in float64 numpy. The CPU path, the device path and the calibration all take their boxes from
-# :func:`draw_crops`, so they agree. The generators cost about 25 us a sample; a counter-based hash vectorised over
-# the block would be cheaper, but with one the class-sorted Parquet smoke run (tests/test_source_order.py) trained
-# to 66.7% top-1 instead of 100%, for a reason not found.
+# :func:`draw_crops`, so they agree. Built one at a time the generators cost about 12 us a sample;
+# :mod:`lightray.data.pcg_streams` computes the same streams for the whole block at once (about 2 us a sample), bit
+# for bit. (A counter-based hash instead was tried once: with it the class-sorted Parquet smoke run,
+# tests/test_source_order.py, trained to 66.7% top-1 instead of 100%, for a reason not found.)
 CROP_TRIES = 10  # torchvision's RandomResizedCrop tries this many (area, aspect) pairs before its fallback
 RATIO = (3 / 4, 4 / 3)
 _DRAWS = 2 * CROP_TRIES + 3  # per try: area scale, log-aspect; then x, y and the flip
@@ -42,10 +44,8 @@ _STREAM = 0xA06  # keeps these draws apart from any other use of the same (seed,
 def sample_uniforms(seed: int, epochs: np.ndarray, ids: np.ndarray, k: int) -> np.ndarray:
     """(n, k) float64 uniforms in [0, 1): draw ``j`` of sample ``i`` depends only on (seed, epochs[i], ids[i], j)."""
     epochs, ids = np.atleast_1d(np.asarray(epochs, np.int64)), np.atleast_1d(np.asarray(ids, np.int64))
-    out = np.empty((len(ids), k), np.float64)
-    for row, (e, i) in enumerate(zip(epochs.tolist(), ids.tolist())):
-        out[row] = np.random.default_rng([seed, e, i, _STREAM]).random(k)
-    return out
+    # Row i is np.random.default_rng([seed, epochs[i], ids[i], _STREAM]).random(k), computed for the block at once.
+    return pcg_streams.uniforms([seed, epochs, ids, _STREAM], k)
 
 
 def crop_boxes(u: np.ndarray, heights: np.ndarray, widths: np.ndarray, min_scale: float,
@@ -108,6 +108,14 @@ def choose_flips(flip: str, seed: int, epochs: np.ndarray, ids: np.ndarray, draw
     if flip == "alternate":
         return alternating_flips(seed, epochs, ids)
     raise ValueError(f"data.flip: bad value {flip!r}; expected one of {', '.join(FLIPS)}")
+
+
+def copies_whole(boxes: np.ndarray, heights: np.ndarray, widths: np.ndarray, size: int) -> np.ndarray:
+    """(n,) bool: the crop box is the whole stored image and the image is already ``size`` x ``size``, so
+    :func:`train_crop` is a copy (PIL's resize returns one): 32 px CIFAR photos at ``min_scale`` 1, say."""
+    b = np.asarray(boxes, np.float64).reshape(-1, 4)
+    h, w = np.asarray(heights), np.asarray(widths)
+    return (b[:, 0] == 0) & (b[:, 1] == 0) & (b[:, 2] == w) & (b[:, 3] == h) & (h == size) & (w == size)
 
 
 def train_crop(img: Image.Image, size: int, box: Sequence[float], flip: bool) -> np.ndarray:

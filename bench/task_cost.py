@@ -1,0 +1,143 @@
+"""The CPU work of a Ray Data training task per sample: its crop draws and its crops, against how it did them before.
+
+    python -m bench.task_cost                 # 5 interleaved repeats over 2,048 prepared 32 px photos
+    python -m bench.task_cost --size 128 --min-scale 0.35   # an Imagenette-like phase: PIL crops on both sides
+
+A task turns a block of plan positions into a batch (``lightray.data.task_batches.cpu_batch``). With a 1,024-photo
+CIFAR-10 step that work sits on the same two cores as the training step, and a 9-epoch run makes all of it in
+its first half minute (Ray Data runs the phase's stream ahead), so its cost shows up as a slow first epoch.
+
+(a) before: the block's draws from one ``numpy.random.default_rng([seed, epoch, id, stream])`` per sample, then a
+    PIL crop per sample (``augment.train_crop``), as the task did until 2026-12-07;
+(b) now: the real ``cpu_batch``: the same draws computed for the block at once (``lightray.data.pcg_streams``), and
+    a crop that is the whole photo at its stored size copied from the stored pixels.
+
+Both sides make the same batch from the same prepared shards (the bench checks it byte for byte before timing).
+``figures.us_per_sample`` gives each side's median over the repeats (microseconds of one core per sample, the
+slowest of the repeat's blocks left in), and ``figures.draws_us_per_sample`` the draws alone;
+``ratios.before_over_now`` is one value per interleaved repeat with its spread (``resolved`` as in every bench).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.common import Machine, emit, note, resolved_ratio, spread
+
+
+def _photos(root: Path, n: int, size: int) -> None:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:size, 0:size].astype(np.float64) / size
+    for label in ("a", "b"):
+        (root / "train" / label).mkdir(parents=True)
+        (root / "val" / label).mkdir(parents=True)
+    for i in range(n):
+        f = rng.uniform(1, 6, 3)
+        img = np.stack([120 + 80 * np.sin(6.28 * f[c] * x + c) * np.cos(6.28 * f[c] * y) for c in range(3)], -1)
+        split = "val" if i < 8 else "train"
+        Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(root / split / "ab"[i % 2] / f"{i}.png")
+
+
+def before(spec: Any, phase: int, epochs: np.ndarray, shard_idx: np.ndarray, rows: np.ndarray) -> dict:
+    """The task's CPU path as it was: a generator per sample for the draws, a PIL crop per sample."""
+    from lightray.data import augment, pcg_streams
+
+    ph = spec.phases[phase]
+    heights, widths, labels, ids = ph.shards.meta(spec.local_dir, shard_idx, rows)
+    u = pcg_streams._one_at_a_time([[spec.seed, int(e), int(i), augment._STREAM] for e, i in zip(epochs, ids)],
+                                   augment._DRAWS)
+    boxes = augment.crop_boxes(u, heights, widths, ph.min_scale)
+    flips = augment.choose_flips(spec.flip, spec.seed, epochs, ids, u[:, -1] < 0.5)
+    out = np.empty((len(ids), ph.resolution, ph.resolution, 3), np.uint8)
+    for i, (img, _label, _sid) in enumerate(ph.shards.images(spec.local_dir, shard_idx, rows)):
+        out[i] = augment.train_crop(img, ph.resolution, boxes[i], bool(flips[i]))
+    return {"image": out, "label": labels, "sample_id": ids}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--photos", type=int, default=2048)
+    ap.add_argument("--size", type=int, default=32, help="the photos' and the crop's side in px")
+    ap.add_argument("--min-scale", type=float, default=1.0, help="1.0: every crop is the whole photo (CIFAR-10)")
+    ap.add_argument("--batch", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    machine = Machine()
+
+    import ray
+
+    from lightray.data import augment, pcg_streams, task_batches
+    from lightray.data.ingest import IngestSpec, PhaseSpec, tier_shards
+    from lightray.data.manifest import Manifest
+    from lightray.data.plan import EpochPlan
+    from lightray.data.prepare import prepare
+
+    tmp = Path(tempfile.mkdtemp(prefix="task_cost-"))
+    note(f"writing {args.photos} photos of {args.size} px and preparing them (stored raw)")
+    _photos(tmp / "src", args.photos, args.size)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        m = Manifest.load(str(prepare(str(tmp / "src"), str(tmp / "cache"), [args.size],
+                                      raw_max_resolution=args.size, shard_rows=512)))
+    finally:
+        ray.shutdown()
+    spec = IngestSpec(seed=0, local_dir=str(tmp / "local"), train_size=m.num_samples("train"),
+                      phases=[PhaseSpec(0, args.size, args.batch, args.min_scale, 0, 1,
+                                        tier_shards(m, "train", args.size))],
+                      val=tier_shards(m, "val", args.size), eval_resolution=args.size, val_crop_ratio=1.0)
+    ph = spec.phases[0]
+    plan = EpochPlan(ph.shards.rows, spec.seed)
+    blocks = []
+    for epoch in range(3):
+        order = plan.order(epoch)
+        for s in range(0, len(order) - args.batch + 1, args.batch):
+            shard_idx, rows = plan.to_shard_row(order[s:s + args.batch])
+            blocks.append((np.full(len(rows), epoch, np.int64), np.asarray(shard_idx, np.int64),
+                           np.asarray(rows, np.int64)))
+    for b in blocks:  # the same batch both ways, and the shards' copies made before any timing
+        a, n = before(spec, 0, *b), task_batches.cpu_batch(spec, ph, *b)
+        assert np.array_equal(a["image"], n["image"]) and np.array_equal(a["sample_id"], n["sample_id"])
+    samples = sum(len(b[2]) for b in blocks)
+
+    def timed(fn: Any) -> float:
+        t = time.process_time()
+        for b in blocks:
+            fn(b)
+        return (time.process_time() - t) / samples * 1e6
+
+    sides = {"before": lambda b: before(spec, 0, *b), "now": lambda b: task_batches.cpu_batch(spec, ph, *b)}
+    draws = {"before": lambda b: pcg_streams._one_at_a_time(
+                 [[0, int(e), int(i), augment._STREAM] for e, i in zip(b[0], ph.shards.meta(spec.local_dir,
+                                                                                            b[1], b[2])[3])], 23),
+             "now": lambda b: augment.sample_uniforms(0, b[0], ph.shards.meta(spec.local_dir, b[1], b[2])[3], 23)}
+    got: dict[str, list[float]] = {k: [] for k in ("before", "now", "draws_before", "draws_now")}
+    for rep in range(args.repeats):
+        order = ("before", "now") if rep % 2 == 0 else ("now", "before")
+        for side in order:
+            got[side].append(timed(sides[side]))
+            got[f"draws_{side}"].append(timed(draws[side]))
+        note(f"repeat {rep + 1}/{args.repeats}: before {got['before'][-1]:.1f} us a sample, now "
+             f"{got['now'][-1]:.1f} (draws {got['draws_before'][-1]:.1f} -> {got['draws_now'][-1]:.1f})")
+    n0, side = len(blocks[0][0]), np.full(len(blocks[0][0]), args.size)
+    boxes0, _ = augment.draw_crops(0, blocks[0][0], np.arange(n0), side, side, args.min_scale)
+    copies = bool(augment.copies_whole(boxes0, side, side, args.size).all())  # which path "now" took
+    figures = {"samples_per_repeat": samples, "photo_px": args.size, "min_scale": args.min_scale,
+               "whole_photo_copies": copies,
+               "us_per_sample": {"before": spread(got["before"], 2), "now": spread(got["now"], 2)},
+               "draws_us_per_sample": {"before": spread(got["draws_before"], 2), "now": spread(got["draws_now"], 2)}}
+    ratios = {"before_over_now": resolved_ratio([b / n for b, n in zip(got["before"], got["now"])]),
+              "draws_before_over_now": resolved_ratio([b / n for b, n in zip(got["draws_before"], got["draws_now"])])}
+    return emit("task_cost", figures, ratios, machine.finish(argv))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
