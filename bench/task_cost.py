@@ -2,6 +2,7 @@
 
     python -m bench.task_cost                 # 5 interleaved repeats over 2,048 prepared 32 px photos
     python -m bench.task_cost --size 128 --min-scale 0.35   # an Imagenette-like phase: PIL crops on both sides
+    python -m bench.task_cost --quick         # a correctness run of a few seconds
 
 A task turns a block of plan positions into a batch (``lightray.data.task_batches.cpu_batch``). With a 1,024-photo
 CIFAR-10 step that work sits on the same two cores as the training step, and a 9-epoch run makes all of it in
@@ -12,15 +13,22 @@ its first half minute (Ray Data runs the phase's stream ahead), so its cost show
 (b) now: the real ``cpu_batch``: the same draws computed for the block at once (``lightray.data.pcg_streams``), and
     a crop that is the whole photo at its stored size copied from the stored pixels.
 
+``--path device`` times the device-augmentation task instead (``task_batches.device_batch``: each sample's window
+of stored pixels, its box and flip; the GPU crops the batch), the path a GPU cluster's raw tiers take: there the
+per-sample work is a copy and the draws are most of it. Its "before" is the same real task with the draws made one
+generator at a time (``pcg_streams``' own fallback).
+
 Both sides make the same batch from the same prepared shards (the bench checks it byte for byte before timing).
-``figures.us_per_sample`` gives each side's median over the repeats (microseconds of one core per sample, the
-slowest of the repeat's blocks left in), and ``figures.draws_us_per_sample`` the draws alone;
-``ratios.before_over_now`` is one value per interleaved repeat with its spread (``resolved`` as in every bench).
+``figures.us_per_sample`` gives each side's median over the repeats (microseconds of this process's CPU time per
+sample, after an untimed repeat of each side, with Python's garbage collected before each timing), and
+``figures.draws_us_per_sample`` the draws alone; ``ratios.before_over_now`` is one value per interleaved repeat
+with its spread (``resolved`` as in every bench).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
 import time
@@ -63,6 +71,17 @@ def before(spec: Any, phase: int, epochs: np.ndarray, shard_idx: np.ndarray, row
     return {"image": out, "label": labels, "sample_id": ids}
 
 
+def before_device(spec: Any, phase: int, epochs: np.ndarray, shard_idx: np.ndarray, rows: np.ndarray) -> dict:
+    """The device path's task as it was: the real task, its draws made one generator per sample."""
+    from lightray.data import pcg_streams, task_batches
+
+    was, pcg_streams._checked = pcg_streams._checked, False  # the module's own fallback: numpy's generators
+    try:
+        return task_batches.device_batch(spec, spec.phases[phase], epochs, shard_idx, rows)
+    finally:
+        pcg_streams._checked = was
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--photos", type=int, default=2048)
@@ -70,13 +89,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--min-scale", type=float, default=1.0, help="1.0: every crop is the whole photo (CIFAR-10)")
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--path", choices=("cpu", "device"), default="cpu")
+    ap.add_argument("--quick", action="store_true", help="a correctness run: 300 photos, batches of 64, 2 repeats")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.photos, args.batch, args.repeats = 300, 64, 2
     machine = Machine()
 
     import ray
 
     from lightray.data import augment, pcg_streams, task_batches
-    from lightray.data.ingest import IngestSpec, PhaseSpec, tier_shards
+    from lightray.data.ingest import IngestSpec, PhaseSpec, plan_augmentation, tier_shards
     from lightray.data.manifest import Manifest
     from lightray.data.plan import EpochPlan
     from lightray.data.prepare import prepare
@@ -94,6 +117,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       phases=[PhaseSpec(0, args.size, args.batch, args.min_scale, 0, 1,
                                         tier_shards(m, "train", args.size))],
                       val=tier_shards(m, "val", args.size), eval_resolution=args.size, val_crop_ratio=1.0)
+    if args.path == "device":
+        plan_augmentation(spec, "device", False)
     ph = spec.phases[0]
     plan = EpochPlan(ph.shards.rows, spec.seed)
     blocks = []
@@ -103,23 +128,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             shard_idx, rows = plan.to_shard_row(order[s:s + args.batch])
             blocks.append((np.full(len(rows), epoch, np.int64), np.asarray(shard_idx, np.int64),
                            np.asarray(rows, np.int64)))
+    old_task = before_device if args.path == "device" else before
+    new_task = task_batches.device_batch if args.path == "device" else task_batches.cpu_batch
     for b in blocks:  # the same batch both ways, and the shards' copies made before any timing
-        a, n = before(spec, 0, *b), task_batches.cpu_batch(spec, ph, *b)
-        assert np.array_equal(a["image"], n["image"]) and np.array_equal(a["sample_id"], n["sample_id"])
+        a, n = old_task(spec, 0, *b), new_task(spec, ph, *b)
+        assert all(np.array_equal(a[k], n[k]) for k in a), "the two sides made different batches"
     samples = sum(len(b[2]) for b in blocks)
 
     def timed(fn: Any) -> float:
+        gc.collect()  # one side's garbage (a generator object per sample, before) is not collected on the other's clock
         t = time.process_time()
         for b in blocks:
             fn(b)
         return (time.process_time() - t) / samples * 1e6
 
-    sides = {"before": lambda b: before(spec, 0, *b), "now": lambda b: task_batches.cpu_batch(spec, ph, *b)}
+    sides = {"before": lambda b: old_task(spec, 0, *b), "now": lambda b: new_task(spec, ph, *b)}
     draws = {"before": lambda b: pcg_streams._one_at_a_time(
                  [[0, int(e), int(i), augment._STREAM] for e, i in zip(b[0], ph.shards.meta(spec.local_dir,
                                                                                             b[1], b[2])[3])], 23),
              "now": lambda b: augment.sample_uniforms(0, b[0], ph.shards.meta(spec.local_dir, b[1], b[2])[3], 23)}
     got: dict[str, list[float]] = {k: [] for k in ("before", "now", "draws_before", "draws_now")}
+    for side in ("before", "now"):  # an untimed repeat of each side first
+        timed(sides[side])
+        timed(draws[side])
     for rep in range(args.repeats):
         order = ("before", "now") if rep % 2 == 0 else ("now", "before")
         for side in order:
@@ -129,8 +160,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
              f"{got['now'][-1]:.1f} (draws {got['draws_before'][-1]:.1f} -> {got['draws_now'][-1]:.1f})")
     n0, side = len(blocks[0][0]), np.full(len(blocks[0][0]), args.size)
     boxes0, _ = augment.draw_crops(0, blocks[0][0], np.arange(n0), side, side, args.min_scale)
-    copies = bool(augment.copies_whole(boxes0, side, side, args.size).all())  # which path "now" took
-    figures = {"samples_per_repeat": samples, "photo_px": args.size, "min_scale": args.min_scale,
+    # which CPU path "now" took (the device path always ships windows)
+    copies = args.path == "cpu" and bool(augment.copies_whole(boxes0, side, side, args.size).all())
+    figures = {"path": args.path, "samples_per_repeat": samples, "photo_px": args.size, "min_scale": args.min_scale,
                "whole_photo_copies": copies,
                "us_per_sample": {"before": spread(got["before"], 2), "now": spread(got["now"], 2)},
                "draws_us_per_sample": {"before": spread(got["draws_before"], 2), "now": spread(got["draws_now"], 2)}}

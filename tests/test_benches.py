@@ -380,3 +380,23 @@ def test_ray_data_gap_bench_times_ray_data_and_plain_tasks_against_the_ideal():
     assert fig["ray_data_idle_per_task_s"] == pytest.approx((elapsed - fig["ideal_s"]) * 2 / 4, abs=0.002)
     assert rat["task_0.05s_ray_data_over_ideal_time"] == pytest.approx(elapsed / fig["ideal_s"], abs=0.006)
     assert rat["task_0.05s_plain_ray_over_ideal_time"] == pytest.approx(plain / fig["ideal_s"], abs=0.006)
+
+
+# About 10 s alone (a local cluster prepares 300 photos); it checks the line, not a speed, so it runs beside the heavy
+# tests.
+@pytest.mark.slow
+@pytest.mark.shares_cpu
+def test_task_cost_bench_makes_the_same_batch_both_ways_and_times_each_repeat():
+    res = _one_json_line(["bench.task_cost", "--quick"], timeout=300)
+    fig, rat = res["figures"], res["ratios"]
+    assert res["bench"] == "task_cost" and fig["whole_photo_copies"] is True  # 32 px photos at min_scale 1
+    # 292 training photos (8 held for val) in batches of 64 over 3 epochs: 4 whole batches an epoch
+    assert fig["samples_per_repeat"] == 3 * 4 * 64
+    for part in ("us_per_sample", "draws_us_per_sample"):
+        for side in ("before", "now"):
+            s = fig[part][side]
+            assert s["n"] == 2 and all(v > 0 for v in s["runs"]), (part, side, s)
+    # each repeat's ratio is its own before over its own now
+    for key, part in (("before_over_now", "us_per_sample"), ("draws_before_over_now", "draws_us_per_sample")):
+        want = [b / n for b, n in zip(fig[part]["before"]["runs"], fig[part]["now"]["runs"])]
+        assert rat[key]["runs"] == pytest.approx(want, rel=0.01), key
