@@ -82,29 +82,14 @@ def before_device(spec: Any, phase: int, epochs: np.ndarray, shard_idx: np.ndarr
         pcg_streams._checked = was
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--photos", type=int, default=2048)
-    ap.add_argument("--size", type=int, default=32, help="the photos' and the crop's side in px")
-    ap.add_argument("--min-scale", type=float, default=1.0, help="1.0: every crop is the whole photo (CIFAR-10)")
-    ap.add_argument("--batch", type=int, default=1024)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--path", choices=("cpu", "device"), default="cpu")
-    ap.add_argument("--quick", action="store_true", help="a correctness run: 300 photos, batches of 64, 2 repeats")
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.photos, args.batch, args.repeats = 300, 64, 2
-    machine = Machine()
-
+def _spec(args: argparse.Namespace, tmp: Path) -> Any:
+    """The phase's spec over ``args.photos`` generated photos prepared (stored raw) in ``tmp``."""
     import ray
 
-    from lightray.data import augment, pcg_streams, task_batches
     from lightray.data.ingest import IngestSpec, PhaseSpec, plan_augmentation, tier_shards
     from lightray.data.manifest import Manifest
-    from lightray.data.plan import EpochPlan
     from lightray.data.prepare import prepare
 
-    tmp = Path(tempfile.mkdtemp(prefix="task_cost-"))
     note(f"writing {args.photos} photos of {args.size} px and preparing them (stored raw)")
     _photos(tmp / "src", args.photos, args.size)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -119,20 +104,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       val=tier_shards(m, "val", args.size), eval_resolution=args.size, val_crop_ratio=1.0)
     if args.path == "device":
         plan_augmentation(spec, "device", False)
-    ph = spec.phases[0]
-    plan = EpochPlan(ph.shards.rows, spec.seed)
+    return spec
+
+
+def _blocks(spec: Any, batch: int, epochs: int = 3) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(epochs, shard indices, rows) of every whole batch of ``epochs`` epochs, in the run's order."""
+    from lightray.data.plan import EpochPlan
+
+    plan = EpochPlan(spec.phases[0].shards.rows, spec.seed)
     blocks = []
-    for epoch in range(3):
+    for epoch in range(epochs):
         order = plan.order(epoch)
-        for s in range(0, len(order) - args.batch + 1, args.batch):
-            shard_idx, rows = plan.to_shard_row(order[s:s + args.batch])
+        for s in range(0, len(order) - batch + 1, batch):
+            shard_idx, rows = plan.to_shard_row(order[s:s + batch])
             blocks.append((np.full(len(rows), epoch, np.int64), np.asarray(shard_idx, np.int64),
                            np.asarray(rows, np.int64)))
-    old_task = before_device if args.path == "device" else before
-    new_task = task_batches.device_batch if args.path == "device" else task_batches.cpu_batch
-    for b in blocks:  # the same batch both ways, and the shards' copies made before any timing
-        a, n = old_task(spec, 0, *b), new_task(spec, ph, *b)
-        assert all(np.array_equal(a[k], n[k]) for k in a), "the two sides made different batches"
+    return blocks
+
+
+def _interleaved(blocks: list, sides: dict[str, Any], draws: dict[str, Any], repeats: int) -> dict[str, list[float]]:
+    """Per repeat, each side's and its draws' CPU microseconds per sample, the order alternating."""
     samples = sum(len(b[2]) for b in blocks)
 
     def timed(fn: Any) -> float:
@@ -142,28 +133,58 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             fn(b)
         return (time.process_time() - t) / samples * 1e6
 
-    sides = {"before": lambda b: old_task(spec, 0, *b), "now": lambda b: new_task(spec, ph, *b)}
-    draws = {"before": lambda b: pcg_streams._one_at_a_time(
-                 [[0, int(e), int(i), augment._STREAM] for e, i in zip(b[0], ph.shards.meta(spec.local_dir,
-                                                                                            b[1], b[2])[3])], 23),
-             "now": lambda b: augment.sample_uniforms(0, b[0], ph.shards.meta(spec.local_dir, b[1], b[2])[3], 23)}
     got: dict[str, list[float]] = {k: [] for k in ("before", "now", "draws_before", "draws_now")}
     for side in ("before", "now"):  # an untimed repeat of each side first
         timed(sides[side])
         timed(draws[side])
-    for rep in range(args.repeats):
-        order = ("before", "now") if rep % 2 == 0 else ("now", "before")
-        for side in order:
+    for rep in range(repeats):
+        for side in (("before", "now") if rep % 2 == 0 else ("now", "before")):
             got[side].append(timed(sides[side]))
             got[f"draws_{side}"].append(timed(draws[side]))
-        note(f"repeat {rep + 1}/{args.repeats}: before {got['before'][-1]:.1f} us a sample, now "
+        note(f"repeat {rep + 1}/{repeats}: before {got['before'][-1]:.1f} us a sample, now "
              f"{got['now'][-1]:.1f} (draws {got['draws_before'][-1]:.1f} -> {got['draws_now'][-1]:.1f})")
-    n0, side = len(blocks[0][0]), np.full(len(blocks[0][0]), args.size)
-    boxes0, _ = augment.draw_crops(0, blocks[0][0], np.arange(n0), side, side, args.min_scale)
+    return got
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--photos", type=int, default=2048)
+    ap.add_argument("--size", type=int, default=32, help="the photos' and the crop's side in px")
+    ap.add_argument("--min-scale", type=float, default=1.0, help="1.0: every crop is the whole photo (CIFAR-10)")
+    ap.add_argument("--batch", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--path", choices=("cpu", "device"), default="cpu")
+    ap.add_argument("--quick", action="store_true", help="a correctness run: 300 photos, batches of 64, 2 repeats")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.photos, args.batch, args.repeats = 300, 64, 2
+    machine = Machine()
+
+    from lightray.data import augment, pcg_streams, task_batches
+
+    spec = _spec(args, Path(tempfile.mkdtemp(prefix="task_cost-")))
+    ph = spec.phases[0]
+    blocks = _blocks(spec, args.batch)
+    old_task = before_device if args.path == "device" else before
+    new_task = task_batches.device_batch if args.path == "device" else task_batches.cpu_batch
+    for b in blocks:  # the same batch both ways, and the shards' copies made before any timing
+        a, n = old_task(spec, 0, *b), new_task(spec, ph, *b)
+        assert all(np.array_equal(a[k], n[k]) for k in a), "the two sides made different batches"
+
+    def ids(b: tuple) -> np.ndarray:
+        return ph.shards.meta(spec.local_dir, b[1], b[2])[3]
+
+    got = _interleaved(
+        blocks, {"before": lambda b: old_task(spec, 0, *b), "now": lambda b: new_task(spec, ph, *b)},
+        {"before": lambda b: pcg_streams._one_at_a_time([[0, int(e), int(i), augment._STREAM]
+                                                         for e, i in zip(b[0], ids(b))], augment._DRAWS),
+         "now": lambda b: augment.sample_uniforms(0, b[0], ids(b), augment._DRAWS)}, args.repeats)
+    side = np.full(len(blocks[0][0]), args.size)
+    boxes0, _ = augment.draw_crops(0, blocks[0][0], np.arange(len(side)), side, side, args.min_scale)
     # which CPU path "now" took (the device path always ships windows)
     copies = args.path == "cpu" and bool(augment.copies_whole(boxes0, side, side, args.size).all())
-    figures = {"path": args.path, "samples_per_repeat": samples, "photo_px": args.size, "min_scale": args.min_scale,
-               "whole_photo_copies": copies,
+    figures = {"path": args.path, "samples_per_repeat": sum(len(b[2]) for b in blocks), "photo_px": args.size,
+               "min_scale": args.min_scale, "whole_photo_copies": copies,
                "us_per_sample": {"before": spread(got["before"], 2), "now": spread(got["now"], 2)},
                "draws_us_per_sample": {"before": spread(got["draws_before"], 2), "now": spread(got["draws_now"], 2)}}
     ratios = {"before_over_now": resolved_ratio([b / n for b, n in zip(got["before"], got["now"])]),
