@@ -7,10 +7,10 @@ algorithms (O'Neill's seed_seq hash as numpy's ``SeedSequence`` implements it, t
 generator and numpy's 53-bit doubles) as uint32/uint64 array arithmetic over the block, so every draw is the
 same double, bit for bit, and a run's pixels do not change.
 
-numpy keeps these streams stable across versions (its ``SeedSequence`` and ``PCG64`` are documented as
-reproducible), but a reimplementation can still drift from the real thing: :func:`uniforms` checks itself
-against numpy's own generator once per process and, on any difference, warns and uses numpy's generators
-one at a time from then on.
+numpy's compatibility policy (NEP 19) keeps a bit generator's stream fixed across versions, but not every
+``Generator`` method's, and a reimplementation can drift from the real thing: :func:`uniforms` checks itself
+against numpy's own generator once per process and, on any difference, warns and uses numpy's generators one at a
+time from then on.
 """
 
 from __future__ import annotations
