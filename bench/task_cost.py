@@ -28,10 +28,12 @@ with its spread (``resolved`` as in every bench).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,16 +57,26 @@ def _photos(root: Path, n: int, size: int) -> None:
         Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(root / split / "ab"[i % 2] / f"{i}.png")
 
 
+@contextlib.contextmanager
+def numpy_generators() -> Iterator[None]:
+    """Draws made as before: ``pcg_streams``' own fallback, one numpy generator per sample."""
+    from lightray.data import pcg_streams
+
+    was, pcg_streams._checked = pcg_streams._checked, False
+    try:
+        yield
+    finally:
+        pcg_streams._checked = was
+
+
 def before(spec: Any, phase: int, epochs: np.ndarray, shard_idx: np.ndarray, rows: np.ndarray) -> dict:
     """The task's CPU path as it was: a generator per sample for the draws, a PIL crop per sample."""
-    from lightray.data import augment, pcg_streams
+    from lightray.data import augment
 
     ph = spec.phases[phase]
     heights, widths, labels, ids = ph.shards.meta(spec.local_dir, shard_idx, rows)
-    u = pcg_streams._one_at_a_time([[spec.seed, int(e), int(i), augment._STREAM] for e, i in zip(epochs, ids)],
-                                   augment._DRAWS)
-    boxes = augment.crop_boxes(u, heights, widths, ph.min_scale)
-    flips = augment.choose_flips(spec.flip, spec.seed, epochs, ids, u[:, -1] < 0.5)
+    with numpy_generators():
+        boxes, flips = augment.draw_crops(spec.seed, epochs, ids, heights, widths, ph.min_scale, spec.flip)
     out = np.empty((len(ids), ph.resolution, ph.resolution, 3), np.uint8)
     for i, (img, _label, _sid) in enumerate(ph.shards.images(spec.local_dir, shard_idx, rows)):
         out[i] = augment.train_crop(img, ph.resolution, boxes[i], bool(flips[i]))
@@ -73,13 +85,10 @@ def before(spec: Any, phase: int, epochs: np.ndarray, shard_idx: np.ndarray, row
 
 def before_device(spec: Any, phase: int, epochs: np.ndarray, shard_idx: np.ndarray, rows: np.ndarray) -> dict:
     """The device path's task as it was: the real task, its draws made one generator per sample."""
-    from lightray.data import pcg_streams, task_batches
+    from lightray.data import task_batches
 
-    was, pcg_streams._checked = pcg_streams._checked, False  # the module's own fallback: numpy's generators
-    try:
+    with numpy_generators():
         return task_batches.device_batch(spec, spec.phases[phase], epochs, shard_idx, rows)
-    finally:
-        pcg_streams._checked = was
 
 
 def _spec(args: argparse.Namespace, tmp: Path) -> Any:
@@ -160,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.photos, args.batch, args.repeats = 300, 64, 2
     machine = Machine()
 
-    from lightray.data import augment, pcg_streams, task_batches
+    from lightray.data import augment, task_batches
 
     spec = _spec(args, Path(tempfile.mkdtemp(prefix="task_cost-")))
     ph = spec.phases[0]
@@ -174,10 +183,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def ids(b: tuple) -> np.ndarray:
         return ph.shards.meta(spec.local_dir, b[1], b[2])[3]
 
+    def before_draws(epochs: np.ndarray, sample_ids: np.ndarray) -> np.ndarray:
+        with numpy_generators():
+            return augment.sample_uniforms(0, epochs, sample_ids, augment._DRAWS)
+
     got = _interleaved(
         blocks, {"before": lambda b: old_task(spec, 0, *b), "now": lambda b: new_task(spec, ph, *b)},
-        {"before": lambda b: pcg_streams._one_at_a_time([[0, int(e), int(i), augment._STREAM]
-                                                         for e, i in zip(b[0], ids(b))], augment._DRAWS),
+        {"before": lambda b: before_draws(b[0], ids(b)),
          "now": lambda b: augment.sample_uniforms(0, b[0], ids(b), augment._DRAWS)}, args.repeats)
     side = np.full(len(blocks[0][0]), args.size)
     boxes0, _ = augment.draw_crops(0, blocks[0][0], np.arange(len(side)), side, side, args.min_scale)
