@@ -2,17 +2,19 @@
 uniforms are numpy's own ``default_rng([seed, epoch, id, stream]).random(k)`` streams bit for bit (computed for the
 whole block at once), a numpy whose streams drifted falls back to its own generators and says so, and a crop that
 is the whole photo at its stored size is the stored pixels (mirrored where drawn), as PIL's crop gives them, from
-real prepared shards stored raw and as JPEG."""
+real prepared shards stored raw and as JPEG; from raw and decoded (object-store) shards of equal photos a block of
+them is gathered a shard at a time, with the same pixels as the per-sample copy."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from lightray.data import augment, pcg_streams
+from lightray.data import augment, pcg_streams, shard_cache, task_batches
 from lightray.data.ingest import IngestSpec, PhaseSpec, phase_blocks, tier_shards, train_block_batch
 from lightray.data.manifest import Manifest
 from lightray.data.prepare import prepare
@@ -124,3 +126,45 @@ def test_a_whole_photo_crop_is_the_stored_pixels_mirrored_as_pil_crops_them(squa
     for i, sid in enumerate(smaller["sample_id"].tolist()[:12]):
         assert np.array_equal(smaller["image"][i],
                               augment.train_crop(Image.fromarray(stored[sid]), 32, b2[i], bool(f2[i])))
+
+
+@pytest.mark.parametrize("level", ["raw", "object_store"])
+def test_a_block_of_whole_photos_is_one_gather_per_shard_with_the_per_sample_copys_pixels(square_photos, level,
+                                                                                          tmp_path):
+    import ray
+
+    m = square_photos["raw" if level == "raw" else "jpeg"]
+    shards = tier_shards(m, "train", 32)
+    if level == "object_store":  # what a run's tier decoded once holds: DecodedShard refs
+        shards = dataclasses.replace(shards, refs=[
+            ray.put(shard_cache.decode_shard(u, h, shards.fmt, str(tmp_path / "decode")))
+            for u, h in zip(shards.uris, shards.sha256)])
+    ph = PhaseSpec(0, 32, 8, 1.0, 0, 3, shards)
+    spec = IngestSpec(seed=SEED, local_dir=str(tmp_path / "local"), train_size=m.num_samples("train"), phases=[ph],
+                      val=tier_shards(m, "val", 32), eval_resolution=32, val_crop_ratio=1.0)
+    every = np.repeat(np.arange(len(shards.rows)), shards.rows), np.concatenate([np.arange(r) for r in shards.rows])
+    pick = np.random.default_rng(0).permutation(np.tile(np.arange(len(every[0])), 2))  # shards interleaved, twice
+    shard_idx, rows = every[0][pick], every[1][pick]
+    flips = np.random.default_rng(1).random(len(pick)) < 0.5
+    assert shards.square_pixels(spec.local_dir, shard_idx, rows, 32) is not None  # so the gather path runs
+    got = task_batches.whole_photos(spec, ph, shard_idx, rows, flips)
+    stored = [np.array(px) for px, _label, _sid in shards.arrays(spec.local_dir, shard_idx, rows)]
+    assert np.array_equal(got, np.stack([px[:, ::-1] if f else px for px, f in zip(stored, flips)]))
+    assert 0 < flips.sum() < len(flips) and got.flags.writeable  # a batch of its own, not a view of the shard
+    # a JPEG shard's rows are not pixels: no gather, and the per-sample copy gives the same batch
+    jpeg = dataclasses.replace(ph, shards=tier_shards(square_photos["jpeg"], "train", 32))
+    assert jpeg.shards.square_pixels(spec.local_dir, shard_idx, rows, 32) is None
+    assert task_batches.whole_photos(spec, jpeg, shard_idx, rows, flips).shape == got.shape
+
+
+def test_rows_of_another_size_or_not_back_to_back_are_not_viewed_as_one_block():
+    rows = [np.full((2, 2, 3), i, np.uint8) for i in range(3)]
+    flat = np.concatenate([r.reshape(-1) for r in rows])
+    offsets = np.arange(4, dtype=np.int64) * 12
+    two = np.full(3, 2)
+    assert np.array_equal(shard_cache.square_view(flat, offsets, two, two, 2), np.stack(rows))
+    assert shard_cache.square_view(flat, offsets, two, two, 3) is None  # not the size asked for
+    assert shard_cache.square_view(flat, offsets, np.array([2, 2, 1]), two, 2) is None  # one row of another size
+    gap = np.concatenate([flat[:12], np.zeros(4, np.uint8), flat[12:]])
+    assert shard_cache.square_view(gap, np.array([0, 16, 28, 40]), two, two, 2) is None  # rows not back to back
+    assert shard_cache.square_view(flat, offsets[:1], two[:0], two[:0], 2) is None  # an empty shard

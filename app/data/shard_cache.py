@@ -267,6 +267,24 @@ class ShardView:
     def pixels(self, row: int) -> np.ndarray:
         return np.asarray(self.image(row))
 
+    def square_rows(self, size: int) -> np.ndarray | None:
+        """Every row as one (rows, size, size, 3) uint8 view, where every row is stored as ``size`` x ``size``
+        pixels back to back (a raw or decoded shard of equal photos); None otherwise (JPEG rows, mixed sizes)."""
+        return None
+
+
+def square_view(flat: np.ndarray, offsets: np.ndarray, heights: np.ndarray, widths: np.ndarray,
+                size: int) -> np.ndarray | None:
+    """``flat`` (the rows' pixels back to back, at ``offsets``) as (rows, size, size, 3) without a copy, when every
+    row is ``size`` x ``size`` and the rows follow one another; None otherwise."""
+    n, row = len(heights), size * size * 3
+    if n == 0 or not ((heights == size).all() and (widths == size).all()):
+        return None
+    start = int(offsets[0])
+    if not np.array_equal(np.asarray(offsets[:n + 1], np.int64) - start, np.arange(n + 1, dtype=np.int64) * row):
+        return None
+    return flat[start:start + n * row].reshape(n, size, size, 3)
+
 
 class ParquetShard(ShardView):
     """A shard read from its node-local Parquet copy: image bytes are sliced zero-copy from the column."""
@@ -299,6 +317,11 @@ class ParquetShard(ShardView):
         data = self._data[int(self._offsets[row]):int(self._offsets[row + 1])]
         return np.frombuffer(data, dtype=np.uint8).reshape(int(self.heights[row]), int(self.widths[row]), 3)
 
+    def square_rows(self, size: int) -> np.ndarray | None:
+        if self.fmt != "raw":
+            return None
+        return square_view(np.frombuffer(self._data, dtype=np.uint8), self._offsets, self.heights, self.widths, size)
+
 
 @dataclass
 class DecodedShard(ShardView):
@@ -317,6 +340,9 @@ class DecodedShard(ShardView):
 
     def image(self, row: int) -> Image.Image:
         return Image.fromarray(self.pixels(row))
+
+    def square_rows(self, size: int) -> np.ndarray | None:
+        return square_view(self.pixels_flat, self.offsets, self.heights, self.widths, size)
 
     @property
     def nbytes(self) -> int:

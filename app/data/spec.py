@@ -46,11 +46,24 @@ class TierShards:
         from its columns: no image is read."""
         shard_idx, rows = np.asarray(shard_idx, np.int64), np.asarray(rows, np.int64)
         out = np.zeros((4, len(rows)), np.int64)
-        order = np.argsort(shard_idx, kind="stable")
-        for at in np.split(order, np.flatnonzero(np.diff(shard_idx[order])) + 1) if len(order) else []:
+        for at in by_shard(shard_idx):
             view, r = self.shard(int(shard_idx[at[0]]), local_dir, max_bytes), rows[at]
             out[:, at] = view.heights[r], view.widths[r], view.labels[r], view.ids[r]
         return out[0], out[1], out[2], out[3]
+
+    def square_pixels(self, local_dir: str, shard_idx: np.ndarray, rows: np.ndarray, size: int,
+                      max_bytes: int = 0) -> np.ndarray | None:
+        """The (n, size, size, 3) pixels of (shard, row) pairs in the given order, gathered a shard at a time by
+        one fancy index, where every shard read holds its rows as ``size`` x ``size`` pixels back to back (raw
+        or decoded: :meth:`ShardView.square_rows`); None where one does not (JPEG rows, mixed sizes)."""
+        shard_idx, rows = np.asarray(shard_idx, np.int64), np.asarray(rows, np.int64)
+        out = np.empty((len(rows), size, size, 3), np.uint8)
+        for at in by_shard(shard_idx):
+            view = self.shard(int(shard_idx[at[0]]), local_dir, max_bytes).square_rows(size)
+            if view is None:
+                return None
+            out[at] = view[rows[at]]
+        return out
 
     def images(self, local_dir: str, shard_idx: np.ndarray, rows: np.ndarray,
                max_bytes: int = 0) -> Iterator[tuple[Image.Image, int, int]]:
@@ -73,6 +86,13 @@ class TierShards:
         for s, r in zip(shard_idx.tolist(), rows.tolist()):
             view = self.shard(s, local_dir, max_bytes)
             yield view.pixels(r), int(view.labels[r]), int(view.ids[r])
+
+
+def by_shard(shard_idx: np.ndarray) -> list[np.ndarray]:
+    """Positions into ``shard_idx`` grouped by shard (each group in its original order), so a shard is opened
+    once per group."""
+    order = np.argsort(shard_idx, kind="stable")
+    return np.split(order, np.flatnonzero(np.diff(shard_idx[order])) + 1) if len(order) else []
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """What a Ray Data training task makes of a run of plan positions (epoch, shard, row): the sample's draws for the
 whole run at once (:func:`lightray.data.augment.draw_crops`), then the path's per-sample work.
 
-- CPU path: decode + PIL crop/resize + flip, written into one preallocated uint8 batch (a crop that is the whole
-  photo at its stored size is a copy and a mirror, without PIL).
+- CPU path: decode + PIL crop/resize + flip, written into one preallocated uint8 batch (where every crop is the
+  whole photo at its stored size and the shards hold the pixels, a gather and a mirror, without PIL).
 - Device augmentation (raw tier): each sample's window of stored pixels on the phase's canvas, its box in canvas
   pixels and its flip bit; the worker crops the batch on its device.
 - Device decode (JPEG tier): each sample's stored JPEG bytes, box and flip; the worker decodes and crops.
@@ -34,18 +34,31 @@ def cpu_batch(spec: IngestSpec, ph: PhaseSpec, epochs: np.ndarray, shard_idx: np
     """The CPU path: every sample decoded, cropped, resized and flipped here, into one (n, R, R, 3) batch."""
     heights, widths, labels, ids = ph.shards.meta(spec.local_dir, shard_idx, rows, spec.local_max_bytes)
     boxes, flips = augment.draw_crops(spec.seed, epochs, ids, heights, widths, ph.min_scale, spec.flip)
-    out = np.empty((len(ids), ph.resolution, ph.resolution, 3), np.uint8)
     if augment.copies_whole(boxes, heights, widths, ph.resolution).all():
-        # Every crop is the whole photo at its stored size: copy the stored pixels (a view of a raw or decoded
-        # shard) and mirror them, the pixels train_crop would give, without a PIL image per sample.
-        for i, (px, _label, _sid) in enumerate(ph.shards.arrays(spec.local_dir, shard_idx, rows,
-                                                                spec.local_max_bytes)):
-            out[i] = px[:, ::-1] if flips[i] else px
-        return {"image": out, "label": labels, "sample_id": ids, "epoch": np.asarray(epochs, np.int64)}
-    for i, (img, _label, _sid) in enumerate(ph.shards.images(spec.local_dir, shard_idx, rows,
-                                                             spec.local_max_bytes)):
-        out[i] = augment.train_crop(img, ph.resolution, boxes[i], bool(flips[i]))
+        out = whole_photos(spec, ph, shard_idx, rows, flips)
+    else:
+        out = np.empty((len(ids), ph.resolution, ph.resolution, 3), np.uint8)
+        for i, (img, _label, _sid) in enumerate(ph.shards.images(spec.local_dir, shard_idx, rows,
+                                                                 spec.local_max_bytes)):
+            out[i] = augment.train_crop(img, ph.resolution, boxes[i], bool(flips[i]))
     return {"image": out, "label": labels, "sample_id": ids, "epoch": np.asarray(epochs, np.int64)}
+
+
+def whole_photos(spec: IngestSpec, ph: PhaseSpec, shard_idx: np.ndarray, rows: np.ndarray,
+                 flips: np.ndarray) -> np.ndarray:
+    """Where every crop is the whole photo at its stored size, the stored pixels mirrored: what train_crop gives
+    (PIL's resize of that box is a copy), without a PIL image per sample. Raw or decoded shards of equal photos
+    give one gather per shard and one mirror per block; JPEG rows a decode per sample."""
+    out = ph.shards.square_pixels(spec.local_dir, shard_idx, rows, ph.resolution, spec.local_max_bytes)
+    if out is not None:
+        # Mirrored a pixel (3 bytes) at a time: a byte-wise reversed copy of HWC uint8 costs twice as much.
+        pixels, at = out.view(np.dtype((np.void, 3)))[..., 0], np.flatnonzero(flips)
+        pixels[at] = pixels[at, :, ::-1]
+        return out
+    out = np.empty((len(rows), ph.resolution, ph.resolution, 3), np.uint8)
+    for i, (px, _label, _sid) in enumerate(ph.shards.arrays(spec.local_dir, shard_idx, rows, spec.local_max_bytes)):
+        out[i] = px[:, ::-1] if flips[i] else px
+    return out
 
 
 def device_batch(spec: IngestSpec, ph: PhaseSpec, epochs: np.ndarray, shard_idx: np.ndarray,
