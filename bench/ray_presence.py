@@ -7,8 +7,9 @@ pooled workers add up to.
 alternates the two sides (alone first in even rounds, beside first in odd ones) and reports, besides the step
 times, the cores the cluster's processes used while the step ran beside them.
 
-Why: every Ray worker process, busy or idle, wakes its main thread every 10 ms to check for signals (a timer
-fixed in Ray's core worker, no setting changes it); on two cores a dozen of them take a share of the machine that
+Why: every Ray worker process, busy or idle, wakes its main thread every 10 ms to check for signals (a period
+set in Ray's core worker's code; none of the five ``RAY_`` settings tried changed it, docs/BENCHMARKS.md); on two
+cores a dozen of them take a share of the machine that
 a plain process never pays. ``bench.step_env`` cannot see this: all its places, its plain one too, run beside the
 cluster it starts. This bench is the part of lightray's gap to the same recipe by hand
 (``bench.time_to_accuracy``) that is Ray's, not lightray's.
@@ -55,11 +56,13 @@ sys.stdin.read()  # until the bench closes the pipe
 
 
 def raylets_here() -> list[int]:
-    """Pids of raylets running on this machine (another cluster would sit beside both sides)."""
+    """Pids of raylets running on this machine (another cluster would sit beside both sides); a killed one not yet
+    reaped (a zombie) runs nothing and is left out."""
     out = []
-    for proc in psutil.process_iter(["name", "cmdline"]):
+    for proc in psutil.process_iter(["name", "cmdline", "status"]):
         try:
-            if "raylet" in (proc.info["name"] or "") or any("/raylet" in a for a in proc.info["cmdline"] or ()):
+            named = "raylet" in (proc.info["name"] or "") or any("/raylet" in a for a in proc.info["cmdline"] or ())
+            if named and proc.info["status"] != psutil.STATUS_ZOMBIE:
                 out.append(proc.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
