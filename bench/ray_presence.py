@@ -27,6 +27,7 @@ from typing import Any
 import psutil
 
 from bench.common import REPO, Machine, emit, machine_cores, note, process_tree, resolved_ratio, spread
+from bench.step_env import step_parser
 
 # The Ray worker processes a steady single-worker run holds besides its Train worker (counted on a cifar10 run):
 # Ray Train's controller, synchronisation actor, dataset manager, preemption watcher and placement-group cleaner,
@@ -159,14 +160,8 @@ def measure(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.ray_presence", description=__doc__.split("\n")[0])
-    p.add_argument("--recipe", default="cifar10")
-    p.add_argument("--resolution", type=int, default=32)
-    p.add_argument("--batch", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=8, help="timed steps per side and round")
-    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
+    p = step_parser("python -m bench.ray_presence", __doc__.split("\n")[0], "cifar10", 32, 1024, 8, 5)
     p.add_argument("--actors", type=int, default=RUN_ACTORS, help="idle actors the cluster holds")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: this machine's cores)")
     args = p.parse_args(argv)
     args.threads = args.threads or machine_cores()
     machine = Machine()

@@ -143,14 +143,21 @@ class _StepActor:
         return _in_thread(*step_args)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.step_env", description=__doc__.split("\n")[0])
-    p.add_argument("--recipe", default="imagenette")
-    p.add_argument("--resolution", type=int, default=128)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--steps", type=int, default=6, help="timed steps per place and round")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
+def step_parser(prog: str, description: str, recipe: str, resolution: int, batch: int, steps: int,
+                repeats: int) -> argparse.ArgumentParser:
+    """The arguments of a bench that times ``time_steps`` in several places, with its own defaults."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--recipe", default=recipe)
+    p.add_argument("--resolution", type=int, default=resolution)
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--steps", type=int, default=steps, help="timed steps per place and round")
+    p.add_argument("--repeats", type=int, default=repeats, help="interleaved rounds")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: this machine's cores)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = step_parser("python -m bench.step_env", __doc__.split("\n")[0], "imagenette", 128, 64, 6, 3)
     args = p.parse_args(argv)
     args.threads = args.threads or machine_cores()
     machine = Machine()
