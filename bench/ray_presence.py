@@ -26,7 +26,7 @@ from typing import Any
 
 import psutil
 
-from bench.common import REPO, Machine, emit, machine_cores, note, process_tree, resolved_ratio, spread
+from bench.common import REPO, Machine, emit, kill_processes, machine_cores, note, process_tree, resolved_ratio, spread
 from bench.step_env import step_parser
 
 # The Ray worker processes a steady single-worker run holds besides its Train worker (counted on a cifar10 run):
@@ -126,11 +126,7 @@ class IdleCluster:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-        for p in procs:  # ray.shutdown stops its daemons; anything left would sit beside the next "alone" side
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                continue
+        kill_processes(procs)  # ray.shutdown stops its daemons; anything left would sit beside the next "alone" side
 
 
 def beside_cluster(step_args: tuple, recipe: str, actors: int) -> dict[str, Any]:

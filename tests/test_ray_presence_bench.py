@@ -8,18 +8,12 @@ import argparse
 import psutil
 import pytest
 
+from bench.common import process_kind, process_tree
 from bench.ray_presence import IdleCluster, measure, raylets_here, tree_cpu_s
 
 
 def _idle_actor_pids(holder_pid: int) -> list[int]:
-    out = []
-    for proc in psutil.Process(holder_pid).children(recursive=True):
-        try:
-            if "Idle" in " ".join(proc.cmdline()):
-                out.append(proc.pid)
-        except psutil.NoSuchProcess:
-            continue
-    return out
+    return [p.pid for p in process_tree(holder_pid) if process_kind(p) == "other_ray_workers" and "Idle" in p.name()]
 
 
 def test_the_idle_cluster_holds_its_actors_is_measured_and_is_gone_after_and_the_plain_side_is_refused_beside_it():
