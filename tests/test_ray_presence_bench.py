@@ -28,3 +28,23 @@ def test_the_idle_cluster_holds_its_actors_is_measured_and_is_gone_after_and_the
             measure(args)
     assert cluster.proc.returncode is not None
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+
+def test_a_killed_raylet_not_yet_reaped_is_not_counted_as_a_cluster_here(tmp_path):
+    import os
+    import shutil
+    import subprocess
+
+    fake = tmp_path / "raylet"  # a process Linux names "raylet", as Ray's own binary is named
+    shutil.copy(shutil.which("sleep"), fake)
+    proc = subprocess.Popen([str(fake), "60"])
+    try:
+        assert proc.pid in raylets_here()
+        proc.kill()
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # it has ended; left unreaped, a zombie
+        assert psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE
+        assert proc.pid not in raylets_here()
+    finally:
+        proc.kill()
+        proc.wait()
