@@ -434,9 +434,11 @@ def long_run(epochs: int = 4) -> tuple[str, ...]:
 
 
 def cluster_driver(nodes: NodeCluster, storage: pathlib.Path, name: str, *args: str, cache: pathlib.Path,
-                   epochs: int = 4) -> subprocess.Popen:
-    """The real driver against the multi-node cluster, one Train worker per worker node."""
-    return driver(storage, name, *long_run(epochs), *args, cache=cache, address=nodes.address, env=NodeCluster.ENV)
+                   epochs: int = 4, env: dict | None = None) -> subprocess.Popen:
+    """The real driver against the multi-node cluster, one Train worker per worker node; ``env`` adds to the
+    cluster's environment (``python -m bench.chaos --group-start-timeout-s`` sets Ray Train's start timeout so)."""
+    return driver(storage, name, *long_run(epochs), *args, cache=cache, address=nodes.address,
+                  env={**NodeCluster.ENV, **(env or {})})
 
 
 def run_schedule(run_dir: pathlib.Path):
