@@ -46,3 +46,39 @@ def test_classes_differ_by_shape_not_by_colour(tmp_path):
         means.append(np.mean(px, axis=0))
     spread = np.ptp(np.stack(means), axis=0)
     assert spread.max() < 40, spread
+
+
+def test_the_writer_processes_are_started_fresh_not_forked_from_the_caller(tmp_path):
+    """The demo is written from a Ray driver or worker, whose threads a fork would copy mid-flight (a forked
+    writer crashed with SIGSEGV in Ray's signal handler, CI 2026-12-07): the pool's processes must be new
+    interpreters. A forked child runs the caller's own command line; a writer its own, naming the module.
+    Its children are read from /proc while the pool writes, until it is done; each one's last reading counts."""
+    import threading
+
+    import psutil
+
+    me = psutil.Process()
+    seen: dict[int, list[str]] = {}
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            for child in me.children(recursive=True):
+                try:
+                    cmd = child.cmdline()
+                except psutil.Error:  # gone between the listing and the read
+                    continue
+                if cmd:  # an exited child not yet reaped shows none
+                    seen[child.pid] = cmd  # the last read: a spawned child shows the caller's until its exec
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        generate_demo(tmp_path, seed=0, num_classes=10, train_per_class=12, val_per_class=3, processes=2)
+    finally:
+        done.set()
+        watcher.join()
+    assert seen, "no writer process was seen"
+    writers = [cmd for cmd in seen.values() if cmd != me.cmdline()]
+    assert len(writers) == len(seen), f"forked writers run the caller's command line {me.cmdline()}"
+    assert all("lightray.data.demo" in " ".join(cmd) for cmd in writers), seen

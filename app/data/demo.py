@@ -13,7 +13,8 @@ import json
 import math
 import os
 import pathlib
-from concurrent.futures import ProcessPoolExecutor
+import subprocess
+import sys
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
@@ -133,6 +134,29 @@ def _write_one(args: tuple) -> None:
     img.save(path, format="JPEG", quality=quality)
 
 
+def _jobs(root: str, seed: int, classes: tuple[str, ...], train_per_class: int, val_per_class: int,
+          quality: int) -> list[tuple]:
+    return [(root, seed, split, label, i, quality, classes)
+            for split, n in (("train", train_per_class), ("val", val_per_class))
+            for label in range(len(classes)) for i in range(n)]
+
+
+def _write_share(spec: dict) -> None:
+    """A writer process's part: every ``shares``-th image from ``share`` on."""
+    jobs = _jobs(spec["root"], spec["seed"], tuple(spec["classes"]), spec["train_per_class"],
+                 spec["val_per_class"], spec["quality"])
+    for job in jobs[spec["share"]::spec["shares"]]:
+        _write_one(job)
+
+
+# A writer is a fresh interpreter started by its module, not a multiprocessing child: the caller is often a Ray
+# driver or worker, whose gRPC and core-worker threads a fork copies mid-flight (a forked writer crashed with
+# SIGSEGV in Ray's signal handler, CI 2026-12-07), and multiprocessing's spawn would import the caller's main
+# script again in every writer, which a script without an ``if __name__ == "__main__"`` guard cannot survive.
+_WRITER = ("import json, sys; spec = json.loads(sys.argv[1]); sys.path[:0] = spec.pop('sys_path'); "
+           "from lightray.data.demo import _write_share; _write_share(spec)")
+
+
 def generate_demo(root: str | os.PathLike, *, seed: int = 0, num_classes: int = 10, train_per_class: int = 320,
                   val_per_class: int = 60, quality: int = 90, processes: int | None = None) -> pathlib.Path:
     """Write the demo ImageFolder tree (``train/<class>/*.jpg``, ``val/<class>/*.jpg``) under ``root``."""
@@ -140,18 +164,24 @@ def generate_demo(root: str | os.PathLike, *, seed: int = 0, num_classes: int = 
         raise ValueError(f"data.demo_classes: bad value {num_classes}; expected 2..{len(SHAPES)}")
     root = pathlib.Path(root)
     classes = SHAPES[:num_classes]
-    jobs = []
-    for split, n in (("train", train_per_class), ("val", val_per_class)):
-        for label, name in enumerate(classes):
+    for split in ("train", "val"):
+        for name in classes:
             (root / split / name).mkdir(parents=True, exist_ok=True)
-            jobs += [(str(root), seed, split, label, i, quality, classes) for i in range(n)]
+    spec = {"root": str(root), "seed": seed, "classes": list(classes), "train_per_class": train_per_class,
+            "val_per_class": val_per_class, "quality": quality}
     procs = processes or min(4, os.cpu_count() or 1)
-    if procs > 1:
-        with ProcessPoolExecutor(procs) as pool:
-            list(pool.map(_write_one, jobs, chunksize=64))
-    else:
-        for j in jobs:
-            _write_one(j)
+    if procs == 1:
+        _write_share({**spec, "share": 0, "shares": 1})
+        return root
+    writers = [subprocess.Popen([sys.executable, "-c", _WRITER,
+                                 json.dumps({**spec, "share": k, "shares": procs, "sys_path": sys.path})],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+               for k in range(procs)]
+    errors = [w.communicate()[1] for w in writers]
+    failed = [(w.returncode, err) for w, err in zip(writers, errors) if w.returncode]
+    if failed:
+        raise RuntimeError(f"demo: writing {root} failed in {len(failed)} of {procs} writer processes; "
+                           f"the first (exit {failed[0][0]}): {failed[0][1].strip()[-2000:]}")
     return root
 
 
