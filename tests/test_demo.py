@@ -52,18 +52,21 @@ def test_the_writer_processes_are_started_fresh_not_forked_from_the_caller(tmp_p
     """The demo is written from a Ray driver or worker, whose threads a fork would copy mid-flight (a forked
     writer crashed with SIGSEGV in Ray's signal handler, CI 2026-12-07): the pool's processes must be new
     interpreters. A forked child runs the caller's own command line; a writer its own, naming the module.
-    Its children are read from /proc while the pool writes, until it is done; each one's last reading counts."""
+    Its new children are read from /proc while the pool writes, until it is done; each one's last reading counts."""
     import threading
 
     import psutil
 
     me = psutil.Process()
+    before = {c.pid for c in me.children()}  # a Ray cluster this process started (CI's session cluster) is not ours
     seen: dict[int, list[str]] = {}
     done = threading.Event()
 
     def watch() -> None:
         while not done.is_set():
-            for child in me.children(recursive=True):
+            for child in me.children():
+                if child.pid in before:
+                    continue
                 try:
                     cmd = child.cmdline()
                 except psutil.Error:  # gone between the listing and the read
