@@ -73,6 +73,7 @@ def test_the_writer_processes_are_started_fresh_not_forked_from_the_caller(tmp_p
                     continue
                 if cmd:  # an exited child not yet reaped shows none
                     seen[child.pid] = cmd  # the last read: a spawned child shows the caller's until its exec
+            done.wait(0.005)  # a poll, not a spin: the writers need the two cores this loop would take
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()

@@ -30,7 +30,6 @@ def test_the_idle_cluster_holds_its_actors_is_measured_and_is_gone_after_and_the
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
-
 def test_a_killed_raylet_not_yet_reaped_is_not_counted_as_a_cluster_here(tmp_path):
     import os
     import shutil
